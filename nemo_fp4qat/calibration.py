@@ -1,0 +1,167 @@
+"""Calibration: collect N representative samples, run modelopt's calibration, keep ranks in sync.
+
+modelopt owns the algorithms (``max``, ``smoothquant``, ``awq_lite`` ...); this module decides *what
+data* goes through the model (a fixed set of samples taken once and reused for recalibration at
+precision-stage switches) and makes data-parallel ranks agree (``all_reduce(MAX)`` of every amax,
+since each rank saw different samples).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+__all__ = [
+    "CalibrationConfig",
+    "collect_batches",
+    "default_forward",
+    "run_calibration",
+    "sync_amax_across_ranks",
+]
+
+
+@dataclass
+class CalibrationConfig:
+    """How to calibrate before QAT (and at each precision switch).
+
+    Attributes:
+        num_samples: samples (rows of the batch) to calibrate on; 100-500 is the usual range.
+        seq_len: truncate token sequences to this length (``None``: as batched).
+        algorithm: modelopt algorithm, or ``"auto"`` to use what the policy's formats need.
+        recalibrate_on_switch: re-run calibration for quantizers whose format changed.
+        sync_ranks: all-reduce amax (MAX) across data-parallel ranks after calibrating.
+    """
+
+    num_samples: int = 128
+    seq_len: int | None = None
+    algorithm: str | dict[str, Any] | None = "auto"
+    recalibrate_on_switch: bool = True
+    sync_ranks: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_samples, int) or self.num_samples < 1:
+            raise ValueError(f"calibration num_samples must be a positive int, got {self.num_samples!r}")
+        if not 100 <= self.num_samples <= 500:
+            warnings.warn(
+                f"Calibrating on {self.num_samples} samples; 100-500 representative samples are "
+                "recommended for stable amax.",
+                stacklevel=3,
+            )
+        if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 1):
+            raise ValueError(f"calibration seq_len must be a positive int or null, got {self.seq_len!r}")
+
+    @classmethod
+    def resolve_spec(cls, spec: CalibrationConfig | dict | int | None) -> CalibrationConfig:
+        if spec is None:
+            return cls()
+        if isinstance(spec, CalibrationConfig):
+            return spec
+        if isinstance(spec, int):
+            return cls(num_samples=spec)
+        return cls(**{k: v for k, v in dict(spec).items() if k != "_target_"})
+
+
+def _batch_rows(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, dict):
+        for v in batch.values():
+            if isinstance(v, torch.Tensor) and v.dim():
+                return int(v.shape[0])
+    if isinstance(batch, (list, tuple)) and batch:
+        return _batch_rows(batch[0])
+    return 1
+
+
+def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, dict):
+        return {k: _map_tensors(v, fn) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_map_tensors(v, fn) for v in batch)
+    return batch
+
+
+def _take_rows(batch: Any, n: int) -> Any:
+    return _map_tensors(batch, lambda t: t[:n] if t.dim() else t)
+
+
+def collect_batches(batches: Iterable[Any], num_samples: int, seq_len: int | None = None) -> list[Any]:
+    """Take batches until ``num_samples`` rows are collected; keep them on the CPU."""
+    out: list[Any] = []
+    seen = 0
+    for batch in batches:
+        need = num_samples - seen
+        if need <= 0:
+            break
+        rows = _batch_rows(batch)
+        if rows > need:
+            batch = _take_rows(batch, need)
+            rows = need
+        if seq_len is not None:
+            batch = _map_tensors(batch, lambda t: t[:, :seq_len] if t.dim() >= 2 else t)
+        out.append(_map_tensors(batch, lambda t: t.detach().to("cpu")))
+        seen += rows
+    if not out:
+        raise ValueError("Calibration data is empty: the dataloader yielded no batch.")
+    return out
+
+
+def default_forward(model: nn.Module, batch: Any) -> Any:
+    """Forward one batch: ``model(**batch)`` for dicts (Hugging Face), ``model(batch[0])`` for
+    (inputs, targets) pairs, ``model(batch)`` for a tensor."""
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (list, tuple)):
+        return model(batch[0])
+    return model(batch)
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def run_calibration(
+    model: nn.Module,
+    batches: list[Any],
+    algorithm: str | dict[str, Any] | None,
+    forward_fn: Callable[[nn.Module, Any], Any] = default_forward,
+) -> None:
+    """Run modelopt's calibration ``algorithm`` over ``batches`` (no gradients)."""
+    import modelopt.torch.quantization as mtq
+
+    if algorithm is None:
+        return
+    device = _device_of(model)
+
+    def forward_loop(m: nn.Module) -> None:
+        with torch.no_grad():
+            for b in batches:
+                forward_fn(m, _map_tensors(b, lambda t: t.to(device)))
+
+    mtq.calibrate(model, algorithm=algorithm, forward_loop=forward_loop)
+
+
+def sync_amax_across_ranks(model: nn.Module) -> int:
+    """All-reduce (MAX) every quantizer amax across the default process group. Returns the count."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return 0
+    n = 0
+    for _, module in sorted(model.named_modules(), key=lambda kv: kv[0]):
+        amax = getattr(module, "_amax", None)
+        if isinstance(amax, torch.Tensor) and type(module).__name__.endswith("Quantizer"):
+            buf = amax.detach().clone()
+            dist.all_reduce(buf, op=dist.ReduceOp.MAX)
+            amax.data.copy_(buf)
+            n += 1
+    return n

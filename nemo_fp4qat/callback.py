@@ -1,0 +1,201 @@
+"""``FP4QATCallback``: FP4 QAT as one Lightning callback.
+
+Hook order (Lightning 2.4 ``Trainer._run``): ``setup`` -> ``configure_model`` -> checkpoint restore
+-> strategy set-up (DDP wrap, device) -> ``on_train_start`` -> per batch ``on_train_batch_start``.
+
+* ``setup``: insert quantizers per policy (after ``configure_model`` if the module builds its layers
+  there). When resuming, the quantizers are rebuilt from the checkpoint's ``modelopt_state`` first
+  so Lightning can load their amax buffers with the weights.
+* ``on_train_start``: collect calibration samples (RNG state preserved, so the training data order
+  is unchanged) and calibrate; all ranks end with the same amax.
+* ``on_train_batch_start``: apply the precision schedule for ``trainer.global_step`` and log the
+  bits of each layer group.
+* ``state_dict``/``on_save_checkpoint``: schedule progress, ``modelopt_state`` and the calibration
+  samples, so a resumed run continues exactly as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn as nn
+from lightning.pytorch.utilities import rank_zero_info
+
+from .calibration import collect_batches
+from .controller import QATController
+from .policy import is_quantizable_linear
+
+__all__ = ["CHECKPOINT_KEY", "FP4QATCallback"]
+
+CHECKPOINT_KEY = "nemo_fp4qat"
+log = logging.getLogger("nemo_fp4qat")
+
+
+class FP4QATCallback(pl.Callback):
+    """Quantization-aware training in FP4 (and friends) with layer policies and precision schedules.
+
+    Args:
+        policy: preset (``"default"``, ``"fp_embeddings"``, ``"aggressive_mlp"``,
+            ``"conservative_attention"``, ``"trtllm_mixed"``), YAML path, dict or LayerPolicy.
+        schedule: preset (``"direct"``, ``"progressive"``), YAML path, dict or PrecisionSchedule.
+        calibration: CalibrationConfig, dict, or a sample count.
+        calibration_data: iterable of batches to calibrate on (default: the train dataloader).
+        forward_fn: ``forward_fn(model, batch)`` for calibration forwards (default: ``model(batch)``
+            / ``model(**batch)`` / ``model(batch[0])``).
+        module_getter: returns the ``nn.Module`` to quantize from the LightningModule (default: the
+            LightningModule itself).
+        share_fused_amax: give q/k/v and gate/up siblings one amax.
+        log_every_n_steps: how often the per-group bits are logged.
+    """
+
+    def __init__(
+        self,
+        policy: Any = "default",
+        schedule: Any = "direct",
+        calibration: Any = None,
+        calibration_data: Iterable[Any] | None = None,
+        forward_fn: Callable[[nn.Module, Any], Any] | None = None,
+        module_getter: Callable[[pl.LightningModule], nn.Module] | None = None,
+        share_fused_amax: bool = True,
+        log_every_n_steps: int = 1,
+    ) -> None:
+        super().__init__()
+        self.controller = QATController(
+            policy=policy,
+            schedule=schedule,
+            calibration=calibration,
+            share_fused_amax=share_fused_amax,
+            forward_fn=forward_fn,
+        )
+        self.calibration_data = calibration_data
+        self.module_getter = module_getter
+        self.log_every_n_steps = max(1, int(log_every_n_steps))
+        self._prepared = False
+
+    # --- helpers ------------------------------------------------------------------------------
+    def target_module(self, pl_module: pl.LightningModule) -> nn.Module:
+        return self.module_getter(pl_module) if self.module_getter else pl_module
+
+    def _has_linears(self, module: nn.Module) -> bool:
+        return any(is_quantizable_linear(m) for m in module.modules())
+
+    def _saved(self, trainer: pl.Trainer) -> dict[str, Any] | None:
+        path = getattr(trainer, "ckpt_path", None)
+        if not path:
+            return None
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        return ckpt.get(CHECKPOINT_KEY)
+
+    def prepare(self, trainer: pl.Trainer | None, pl_module: pl.LightningModule) -> None:
+        """Insert quantizers (or rebuild them from the checkpoint being resumed)."""
+        if self._prepared:
+            return
+        module = self.target_module(pl_module)
+        saved = self._saved(trainer) if trainer is not None else None
+        if saved is not None:
+            self.controller.restore(module, saved["modelopt_state"], saved["controller"])
+            self.controller.calib_batches = saved.get("calib_batches", [])
+            rank_zero_info(f"nemo_fp4qat: restored quantizers from {trainer.ckpt_path}")
+        else:
+            table = self.controller.prepare(module)
+            rank_zero_info(f"nemo_fp4qat: policy {self.controller.policy.name!r}\n{table.format_table()}")
+        self._prepared = True
+
+    # --- Lightning hooks ----------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if self.controller.total_steps is None and trainer.max_steps and trainer.max_steps > 0:
+            self.controller.total_steps = int(trainer.max_steps)
+        if self._has_linears(self.target_module(pl_module)):
+            self.prepare(trainer, pl_module)
+            return
+        # Layers are created in configure_model: quantize right after it runs.
+        original = pl_module.configure_model
+
+        def configure_model_then_quantize() -> None:
+            original()
+            self.prepare(trainer, pl_module)
+
+        pl_module.configure_model = configure_model_then_quantize  # type: ignore[method-assign]
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        ctl = self.controller
+        if ctl.total_steps is None:
+            ctl.total_steps = self._total_steps(trainer)
+            if ctl.schedule.needs_total_steps:
+                ctl.schedule.boundaries(ctl.total_steps)  # fail early with a clear message
+        if ctl.calibrated:
+            return
+        if not ctl.calib_batches:
+            source = self.calibration_data if self.calibration_data is not None else trainer.train_dataloader
+            ctl.calib_batches = self._collect(source)
+        ctl.calibrate(self.target_module(pl_module))
+        rank_zero_info(
+            f"nemo_fp4qat: calibrated on {ctl.calibration.num_samples} samples ({len(ctl.calib_batches)} batches)"
+        )
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        events = self.controller.step(self.target_module(pl_module), step)
+        for ev in events:
+            rank_zero_info(
+                f"nemo_fp4qat: step {step}: {ev['group']} {ev['from']} -> {ev['to']} ({ev['modules']} modules)"
+            )
+        if step % self.log_every_n_steps == 0 or events:
+            metrics = {f"qat/bits_{g}": float(b) for g, b in self.controller.stage_summary().items()}
+            if metrics:
+                pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.controller.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.controller.load_state_dict(state_dict)
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        import modelopt.torch.opt as mto
+
+        checkpoint[CHECKPOINT_KEY] = {
+            "modelopt_state": mto.modelopt_state(self.target_module(pl_module)),
+            "controller": self.controller.state_dict(),
+            "calib_batches": self.controller.calib_batches,
+        }
+
+    # --- internals ----------------------------------------------------------------------------
+    @staticmethod
+    def _total_steps(trainer: pl.Trainer) -> int | None:
+        if trainer.max_steps and trainer.max_steps > 0:
+            return int(trainer.max_steps)
+        try:
+            return int(trainer.estimated_stepping_batches)
+        except Exception:  # an infinite or unsized dataloader
+            return None
+
+    def _collect(self, source: Iterable[Any]) -> list[Any]:
+        # Drawing batches must not shift the RNG streams the training data order depends on.
+        cpu_state = torch.get_rng_state()
+        py_state = random.getstate()
+        try:
+            import numpy as np
+
+            np_state = np.random.get_state()
+        except ImportError:  # pragma: no cover
+            np_state = None
+        try:
+            cfg = self.controller.calibration
+            return collect_batches(source, cfg.num_samples, cfg.seq_len)
+        finally:
+            torch.set_rng_state(cpu_state)
+            random.setstate(py_state)
+            if np_state is not None:
+                np.random.set_state(np_state)

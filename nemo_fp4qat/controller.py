@@ -1,0 +1,269 @@
+"""The QAT state machine shared by the Lightning callback, the mixin and the NeMo integration.
+
+``QATController`` owns: the resolved policy table, the formats each quantizer is in now, the
+calibration samples, the precision-schedule progress (switches and blending ramps) and the state
+that must survive a restart. It talks to models only through modelopt (``mtq.quantize``,
+``set_quantizer_by_cfg``, ``mtq.calibrate``) so what it builds is plain modelopt state that NeMo's
+and modelopt's own save/restore/export understand.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .calibration import CalibrationConfig, default_forward, run_calibration, sync_amax_across_ranks
+from .formats import QuantFormat, get_format
+from .fused_siblings import find_fused_siblings, share_fused_amax
+from .modelopt_compat import apply_quant_cfg, build_quant_cfg, calibration_algorithm
+from .policy import LayerPolicy, PolicyTable, element_bits
+from .schedule import PrecisionSchedule, effective_format
+
+__all__ = ["QATController"]
+
+log = logging.getLogger("nemo_fp4qat")
+STATE_VERSION = 1
+
+
+class QATController:
+    """Applies a :class:`LayerPolicy` and a :class:`PrecisionSchedule` to one model.
+
+    Args:
+        policy: preset name, YAML path, dict or :class:`LayerPolicy`.
+        schedule: preset name, YAML path, dict or :class:`PrecisionSchedule`.
+        calibration: :class:`CalibrationConfig`, dict or sample count.
+        share_fused_amax: give q/k/v and gate/up siblings one amax (what deployment uses).
+        forward_fn: ``forward_fn(model, batch)`` used for calibration forwards.
+    """
+
+    def __init__(
+        self,
+        policy: Any = "default",
+        schedule: Any = "direct",
+        calibration: Any = None,
+        share_fused_amax: bool = True,
+        forward_fn: Callable[[nn.Module, Any], Any] | None = None,
+    ) -> None:
+        self.policy = LayerPolicy.resolve_spec(policy)
+        self.schedule = PrecisionSchedule.resolve_spec(schedule)
+        self.schedule.validate_for(self.policy.target_format)
+        self.calibration = CalibrationConfig.resolve_spec(calibration)
+        self.share_fused_amax = share_fused_amax
+        self.forward_fn = forward_fn or default_forward
+        self.table: PolicyTable | None = None
+        self.current: dict[str, tuple[str, str]] = {}
+        self.calibrated = False
+        self.history: list[dict[str, Any]] = []
+        self.ramps: dict[str, dict[str, Any]] = {}  # quantizer name -> {"start", "old"}
+        self.total_steps: int | None = None
+        self.calib_batches: list[Any] = []
+        self.fused_groups: list[list[str]] = []
+        self._step = 0
+        self._hooks: dict[str, Any] = {}
+        self._old_quantizers: dict[str, nn.Module] = {}
+
+    # --- set-up -------------------------------------------------------------------------------
+    def resolve(self, model: nn.Module) -> PolicyTable:
+        self.table = self.policy.resolve(model)
+        self.fused_groups = find_fused_siblings(model) if self.share_fused_amax else []
+        return self.table
+
+    def _targets(self) -> dict[str, tuple[QuantFormat, QuantFormat, str]]:
+        assert self.table is not None
+        return {
+            r.module: (get_format(r.weight), get_format(r.input), r.group) for r in self.table.rows if r.quantizable
+        }
+
+    def formats_at(self, step: int) -> dict[str, tuple[str, str]]:
+        """Module -> (weight format, input format) the schedule prescribes at ``step``."""
+        out = {}
+        for module, (wt, it, group) in self._targets().items():
+            st = self.schedule.stage_format(self.schedule.stage_index(step, group, self.total_steps))
+            out[module] = (effective_format(st, wt).name, effective_format(st, it).name)
+        return out
+
+    def prepare(self, model: nn.Module) -> PolicyTable:
+        """Insert modelopt quantizers in the formats of step 0 (no calibration yet)."""
+        import modelopt.torch.quantization as mtq
+
+        table = self.resolve(model)
+        self.current = self.formats_at(0)
+        cfg = build_quant_cfg(self._assignment(self.current), algorithm=None)
+        mtq.quantize(model, cfg, forward_loop=None)
+        return table
+
+    def restore(self, model: nn.Module, modelopt_state: dict[str, Any], state: dict[str, Any]) -> None:
+        """Rebuild quantizers from a checkpoint (before its weights/amax are loaded)."""
+        import modelopt.torch.opt as mto
+
+        self.resolve(model)
+        mto.restore_from_modelopt_state(model, modelopt_state)
+        self.load_state_dict(state)
+        self.attach(model)
+
+    @staticmethod
+    def _assignment(formats: dict[str, tuple[str, str]]) -> dict[str, tuple[QuantFormat, QuantFormat]]:
+        return {m: (get_format(w), get_format(i)) for m, (w, i) in formats.items()}
+
+    # --- calibration --------------------------------------------------------------------------
+    def _algorithm(self) -> Any:
+        algo = self.calibration.algorithm
+        if algo == "auto":
+            fmts = [get_format(f) for pair in self.current.values() for f in pair]
+            return calibration_algorithm(fmts)
+        return algo
+
+    def calibrate(self, model: nn.Module, batches: list[Any] | None = None) -> None:
+        """Initial calibration on ``batches`` (kept for recalibration at switches)."""
+        if batches is not None:
+            self.calib_batches = list(batches)
+        run_calibration(model, self.calib_batches, self._algorithm(), self.forward_fn)
+        self._after_calibration(model)
+        self.calibrated = True
+
+    def _after_calibration(self, model: nn.Module) -> None:
+        if self.calibration.sync_ranks:
+            sync_amax_across_ranks(model)
+        if self.fused_groups:
+            share_fused_amax(model, self.fused_groups)
+
+    def _recalibrate(self, model: nn.Module, modules: list[str]) -> None:
+        """Recalibrate (max) only the quantizers of ``modules``; others keep their amax."""
+        if not self.calib_batches or not self.calibration.recalibrate_on_switch:
+            return
+        keep = set(modules)
+        saved = {}
+        for name, q in model.named_modules():
+            if type(q).__name__.endswith("Quantizer") and name.rsplit(".", 1)[0] not in keep:
+                amax = getattr(q, "_amax", None)
+                if isinstance(amax, torch.Tensor):
+                    saved[name] = amax.detach().clone()
+        run_calibration(model, self.calib_batches, "max", self.forward_fn)
+        mods = dict(model.named_modules())
+        for name, amax in saved.items():
+            q = mods[name]
+            if getattr(q, "_amax", None) is not None and q._amax.shape == amax.shape:
+                q._amax.data.copy_(amax)
+        self._after_calibration(model)
+
+    # --- the schedule -------------------------------------------------------------------------
+    def step(self, model: nn.Module, step: int) -> list[dict[str, Any]]:
+        """Apply the schedule for ``step``: switch formats that change, recalibrate, ramp."""
+        self._step = step
+        desired = self.formats_at(step)
+        changed = {m: f for m, f in desired.items() if self.current.get(m) != f}
+        events: list[dict[str, Any]] = []
+        if changed:
+            old = {m: self.current[m] for m in changed}
+            cfg = build_quant_cfg(self._assignment(changed), algorithm=None)
+            qcfg = cfg["quant_cfg"]
+            # Drop the catch-all "disable everything" entry: only the changed quantizers move.
+            qcfg = qcfg[1:] if isinstance(qcfg, list) else {k: v for k, v in qcfg.items() if k != "default"}
+            apply_quant_cfg(model, qcfg)
+            self.current.update(changed)
+            needs = [m for m, (w, i) in changed.items() if get_format(w).needs_amax or get_format(i).needs_amax]
+            if needs:
+                self._recalibrate(model, needs)
+            targets = self._targets()
+            by_group: dict[tuple[str, str, str], int] = {}
+            for m, (w, _) in changed.items():
+                key = (targets[m][2], old[m][0], w)
+                by_group[key] = by_group.get(key, 0) + 1
+            for (group, frm, to), n in sorted(by_group.items()):
+                ev = {"step": step, "group": group, "from": frm, "to": to, "modules": n}
+                events.append(ev)
+                self.history.append(ev)
+                log.info("nemo_fp4qat: step %d: %s %s -> %s (%d modules)", step, group, frm, to, n)
+            if self.schedule.ramp_steps > 0:
+                for m in changed:
+                    for kind, idx in (("weight", 0), ("input", 1)):
+                        if old[m][idx] != changed[m][idx]:
+                            self.ramps[f"{m}.{kind}_quantizer"] = {"start": step, "old": old[m][idx]}
+            self.attach(model)
+        self._expire_ramps(model)
+        return events
+
+    def stage_summary(self, step: int | None = None) -> dict[str, int]:
+        """Group -> element bits of its weight format now (for logging)."""
+        out: dict[str, int] = {}
+        targets = self._targets() if self.table else {}
+        for m, (w, _) in self.current.items():
+            g = targets[m][2] if m in targets else "other"
+            out[g] = min(out.get(g, 16), element_bits(get_format(w)))
+        return out
+
+    # --- blending ramps -----------------------------------------------------------------------
+    def ramp_alpha(self, qname: str) -> float:
+        r = self.ramps[qname]
+        return min(1.0, (self._step - r["start"] + 1) / (self.schedule.ramp_steps + 1))
+
+    def attach(self, model: nn.Module) -> None:
+        """(Re)install forward hooks for active ramps (also after a restore)."""
+        from modelopt.torch.quantization.config import QuantizerAttributeConfig
+        from modelopt.torch.quantization.nn import TensorQuantizer
+
+        mods = dict(model.named_modules())
+        for qname, r in self.ramps.items():
+            if qname in self._hooks or qname not in mods:
+                continue
+            q = mods[qname]
+            old_fmt = get_format(r["old"])
+            old_q = None
+            if not old_fmt.is_full_precision:
+                kind = "weight" if qname.endswith("weight_quantizer") else "input"
+                attrs = {k: v for k, v in old_fmt.quantizer_cfg(kind).items() if k != "enable"}
+                old_q = TensorQuantizer(QuantizerAttributeConfig(**attrs))
+                amax = getattr(q, "_amax", None)
+                if isinstance(amax, torch.Tensor):
+                    old_q.amax = amax.detach().clone()
+                old_q.to(next((b.device for b in q.buffers()), torch.device("cpu")))
+            self._old_quantizers[qname] = old_q
+
+            def hook(module, args, output, _qname=qname):
+                if _qname not in self.ramps:
+                    return output
+                alpha = self.ramp_alpha(_qname)
+                oq = self._old_quantizers.get(_qname)
+                previous = args[0] if oq is None else oq(args[0])
+                return alpha * output + (1.0 - alpha) * previous
+
+            self._hooks[qname] = q.register_forward_hook(hook)
+
+    def _expire_ramps(self, model: nn.Module) -> None:
+        done = [q for q, r in self.ramps.items() if self._step >= r["start"] + self.schedule.ramp_steps]
+        for q in done:
+            self.ramps.pop(q)
+            h = self._hooks.pop(q, None)
+            if h is not None:
+                h.remove()
+            self._old_quantizers.pop(q, None)
+
+    # --- state --------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "policy": self.policy.to_dict(),
+            "schedule": self.schedule.to_dict(),
+            "current": {m: list(f) for m, f in self.current.items()},
+            "calibrated": self.calibrated,
+            "history": list(self.history),
+            "ramps": {k: dict(v) for k, v in self.ramps.items()},
+            "total_steps": self.total_steps,
+            "step": self._step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"nemo_fp4qat state version {state.get('version')} != {STATE_VERSION}")
+        if state.get("schedule") != self.schedule.to_dict():
+            log.warning("nemo_fp4qat: resuming with a different schedule than the checkpoint's.")
+        self.current = {m: (f[0], f[1]) for m, f in state["current"].items()}
+        self.calibrated = bool(state["calibrated"])
+        self.history = list(state["history"])
+        self.ramps = {k: dict(v) for k, v in state["ramps"].items()}
+        self.total_steps = state["total_steps"]
+        self._step = int(state.get("step", 0))

@@ -1,0 +1,173 @@
+"""Pure-PyTorch fake quantization for the block formats modelopt runs only on CUDA.
+
+modelopt fake-quantizes NVFP4 with a Triton kernel (``fp4_fake_quant_block``) and the MX formats
+with a CUDA extension (``tensor_quant_mx.cu``); neither runs on a CPU. This module computes the same
+results on CPU tensors so QAT can be developed, tested and smoke-run without a GPU. It is written
+by hand because no library provides these kernels for the CPU (torchao's MX/NVFP4 code targets
+CUDA and uses its own scale rules).
+
+What is reproduced, read from modelopt 0.37/0.47 sources:
+
+* NVFP4 (Triton kernel): ``gs = amax / (6*448)``; per block of 16,
+  ``s = fp8_e4m3(min(block_amax / (6*gs), 448)) * gs``, ``s = 1`` where ``s < 1e-5``;
+  elements rounded to E2M1 with round-half-to-even, saturating at 6.
+* MX (CUDA extension, E8M0 scale "NV" rule): ``unscale = 2**ceil(log2(block_amax / elem_max))``
+  (no rounding up for exact powers of two), scale 1 for a zero/Inf block amax; NaN is ignored
+  by the block max (``fmaxf``); elements rounded half-to-even and saturated; E4M3 elements
+  convert with saturation (``__NV_SATFINITE``).
+* Partial last blocks are zero-padded, as the CUDA extension does.
+
+One deliberate difference: a NaN input element gives NaN here. The CUDA kernels turn it into a
+finite value (the Triton compare chain yields ``-6 * scale``), which would hide divergence from
+the quantization monitor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "FLOAT_FORMAT_MAX",
+    "fake_quant_block",
+    "fake_quant_mx",
+    "fake_quant_nvfp4",
+    "round_to_minifloat",
+]
+
+# (exponent_bits, mantissa_bits) -> (largest finite value, minimum normal exponent).
+# OCP MX element formats have no Inf/NaN encodings (E4M3 "fn" reserves one code for NaN only).
+FLOAT_FORMAT_MAX: dict[tuple[int, int], float] = {
+    (2, 1): 6.0,
+    (2, 3): 7.5,
+    (3, 2): 28.0,
+    (4, 3): 448.0,
+}
+_EMIN: dict[tuple[int, int], int] = {(2, 1): 0, (2, 3): 0, (3, 2): -2, (4, 3): -6}
+# log2 of the largest power of two <= max (used by the OCP scale rule; kept for reference).
+_E8M0_MIN_EXP, _E8M0_MAX_EXP = -127, 127
+
+
+def _pow2(exp: torch.Tensor) -> torch.Tensor:
+    """Exact 2**exp as float32 for integer ``exp`` in [-149, 127], built from the bit pattern."""
+    exp = exp.to(torch.int32)
+    normal = ((exp + 127).clamp(min=1) << 23).view(torch.float32)
+    # Subnormals: 2**exp = 2**-149 * 2**(exp+149) with the mantissa bit at position exp+149.
+    sub_shift = (exp + 149).clamp(min=0, max=22)
+    subnormal = (torch.ones_like(exp) << sub_shift).view(torch.float32)
+    return torch.where(exp >= -126, normal, subnormal)
+
+
+def round_to_minifloat(v: torch.Tensor, element: tuple[int, int]) -> torch.Tensor:
+    """Round non-negative float32 ``v`` to the nearest value of ``element``, ties to even.
+
+    Values above the format's maximum (and +Inf) saturate to the maximum; NaN stays NaN.
+    Works by snapping to the quantum of the value's binade: ``q = 2**(max(floor(log2 v), emin) - M)``,
+    then ``round(v / q) * q`` with PyTorch's round-half-to-even; both scalings are exact.
+    ``v`` must be float32 (its bit pattern is read).
+    """
+    if element not in FLOAT_FORMAT_MAX:
+        raise ValueError(f"No CPU rounding for element format E{element[0]}M{element[1]}")
+    fmax = FLOAT_FORMAT_MAX[element]
+    # floor(log2 v) from the float32 exponent field (exact; subnormals read as -127, below every emin).
+    e = (((v.view(torch.int32) >> 23) & 0xFF) - 127).clamp(min=_EMIN[element])
+    shift = e - element[1]
+    q = torch.round(v * _pow2(-shift)) * _pow2(shift)
+    q = torch.where(v >= fmax, torch.full_like(q, fmax), q)  # saturation, +Inf included
+    return torch.clamp(q, max=fmax)
+
+
+def _blocked(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, int]:
+    """View ``x`` (any shape) as float32 [rows, nblocks, block], zero-padding the last dim."""
+    n = x.shape[-1] if x.dim() > 0 else 1
+    xf = x.reshape(-1, n).to(torch.float32)
+    pad = (-n) % block_size
+    if pad:
+        xf = torch.nn.functional.pad(xf, (0, pad))
+    return xf.view(xf.shape[0], -1, block_size), n
+
+
+def _unblocked(y: torch.Tensor, like: torch.Tensor, n: int) -> torch.Tensor:
+    y = y.reshape(y.shape[0], -1)[:, :n]
+    return y.reshape(like.shape).to(like.dtype)
+
+
+def _nan_free_block_amax(xabs: torch.Tensor) -> torch.Tensor:
+    # fmaxf / Triton max ignore NaN; torch.amax propagates it, so mask NaN first.
+    return torch.nan_to_num(xabs, nan=0.0, posinf=float("inf")).amax(dim=-1, keepdim=True)
+
+
+def fake_quant_nvfp4(x: torch.Tensor, amax: torch.Tensor | float | None, block_size: int = 16) -> torch.Tensor:
+    """NVFP4 quantize->dequantize of ``x`` as modelopt's Triton kernel computes it.
+
+    Args:
+        x: tensor of any shape; blocks run along the last dimension.
+        amax: the per-tensor amax (the quantizer's calibrated ``_amax``); a non-scalar amax is
+            reduced with ``amax()`` as modelopt does; ``None`` uses ``x``'s own amax.
+        block_size: elements per E4M3-scaled block (16 for NVFP4).
+    """
+    xb, n = _blocked(x, block_size)
+    if amax is None:
+        amax_t = _nan_free_block_amax(xb.abs()).amax()
+    else:
+        amax_t = torch.as_tensor(amax, dtype=torch.float32).to(x.device).float()
+        if amax_t.numel() != 1:
+            amax_t = amax_t.amax()
+        amax_t = amax_t.reshape(())
+    gs = amax_t / (6.0 * 448.0)
+    xabs = xb.abs()
+    block_max = _nan_free_block_amax(xabs)
+    valid_gs = torch.isfinite(gs) & (gs > 0)
+    gs_safe = torch.where(valid_gs, gs, torch.ones_like(gs))
+    scale = torch.clamp(block_max / (6.0 * gs_safe), max=448.0).to(torch.float8_e4m3fn).float() * gs_safe
+    scale = torch.where(valid_gs, scale, torch.ones_like(scale))
+    scale = torch.where(scale < 1e-5, torch.ones_like(scale), scale)
+    q = round_to_minifloat(xabs / scale, (2, 1)) * scale
+    y = torch.where(xb >= 0, q, -q)
+    y = torch.where(torch.isnan(xb), xb, y)
+    return _unblocked(y, x, n)
+
+
+def _e8m0_unscale_exponent(block_amax: torch.Tensor, elem_max: float) -> torch.Tensor:
+    """modelopt's ``compute_scale_e8m0_NV``: exponent of 2**ceil(log2(amax / elem_max)), bit-exact."""
+    ratio = block_amax / elem_max
+    bits = ratio.view(torch.int32)
+    exp_field = (bits >> 23) & 0xFF
+    sig = bits & 0x7FFFFF
+    round_up = (sig > 0) & (exp_field != 0xFE) & ~((exp_field == 0) & (sig <= 0x400000))
+    return torch.where(round_up, exp_field - 126, exp_field - 127)
+
+
+def fake_quant_mx(x: torch.Tensor, element: tuple[int, int], block_size: int = 32) -> torch.Tensor:
+    """OCP MX quantize->dequantize (E8M0 power-of-two scale per block) as modelopt's CUDA extension."""
+    if element not in FLOAT_FORMAT_MAX:
+        raise ValueError(f"Unsupported MX element format E{element[0]}M{element[1]}")
+    xb, n = _blocked(x, block_size)
+    xabs = xb.abs()
+    block_max = _nan_free_block_amax(xabs)
+    ue = _e8m0_unscale_exponent(block_max, FLOAT_FORMAT_MAX[element])
+    degenerate = (block_max == 0) | torch.isinf(block_max)
+    ue = torch.where(degenerate, torch.zeros_like(ue), ue)
+    scaled = xabs * _pow2(-ue)
+    q = round_to_minifloat(scaled, element) * _pow2(ue)
+    y = torch.where(xb < 0, -q, q)
+    y = torch.where(torch.isnan(xb), xb, y)
+    return _unblocked(y, x, n)
+
+
+def fake_quant_block(
+    x: torch.Tensor,
+    block_size: int,
+    amax: torch.Tensor | None,
+    element: tuple[int, int],
+    scale_bits: tuple[int, int],
+) -> torch.Tensor:
+    """Dispatch on modelopt's ``(num_bits, scale_bits)`` for a dynamic block quantizer."""
+    if element == (2, 1) and scale_bits == (4, 3):
+        return fake_quant_nvfp4(x, amax, block_size)
+    if scale_bits == (8, 0):
+        return fake_quant_mx(x, element, block_size)
+    raise NotImplementedError(
+        f"No CPU fake quant for elements E{element[0]}M{element[1]} with scale "
+        f"E{scale_bits[0]}M{scale_bits[1]}; supported: NVFP4 (E2M1/E4M3) and MX (E2M1, E2M3, E3M2, "
+        "E4M3 with E8M0)."
+    )

@@ -1,0 +1,125 @@
+"""CPU mode for Megatron / NeMo 2 training: a development aid, explicit and opt-in.
+
+megatron-core and NeMo's Megatron path assume CUDA in a handful of places
+(``torch.cuda.current_device()`` for buffers and rotary embeddings, CUDA RNG tracker forks,
+``torch.cuda.Stream``, ``torch.cuda.synchronize``, ``.cuda()`` / ``device="cuda"`` tensors). Inside
+``with megatron_cpu_mode():`` those are answered with the CPU so a tiny model can be trained,
+checkpointed and quantized on a laptop or in CI to smoke-test QAT configs.
+
+It never activates when CUDA is available (the context manager is then a no-op with a warning),
+and it patches only for the duration of the block. Not for production training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["cpu_mode_active", "megatron_cpu_mode"]
+
+_ACTIVE = False
+
+
+def _is_cuda(dev: Any) -> bool:
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda"
+    if isinstance(dev, str):
+        return dev.startswith("cuda")
+    return isinstance(dev, int) and not isinstance(dev, bool)
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Redirects ``device="cuda"`` arguments, ``.cuda()`` and ``.to("cuda")`` to the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        name = getattr(func, "__name__", "")
+        if name == "cuda" and args and isinstance(args[0], torch.Tensor):
+            return args[0]
+        if name == "to" and args and isinstance(args[0], torch.Tensor):
+            args = tuple("cpu" if i > 0 and _is_cuda(a) and not isinstance(a, int) else a for i, a in enumerate(args))
+        if name == "pin_memory" and args and isinstance(args[0], torch.Tensor):
+            return args[0]
+        return func(*args, **kwargs)
+
+
+class _NullStream:
+    def __init__(self, *_: Any, **__: Any) -> None:
+        pass
+
+    def wait_stream(self, *_: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, *_: Any) -> None:
+        return None
+
+
+@contextlib.contextmanager
+def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
+    missing = object()
+    old = getattr(obj, name, missing)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        if old is missing:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, old)
+
+
+def cpu_mode_active() -> bool:
+    return _ACTIVE
+
+
+@contextlib.contextmanager
+def megatron_cpu_mode() -> Iterator[bool]:
+    """Run Megatron/NeMo code on the CPU inside this block. Yields whether the mode is active."""
+    global _ACTIVE
+    if torch.cuda.is_available():
+        warnings.warn("megatron_cpu_mode() does nothing on a machine with CUDA.", stacklevel=3)
+        yield False
+        return
+    if _ACTIVE:
+        yield True
+        return
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_patched(torch.cuda, "current_device", lambda: torch.device("cpu")))
+        stack.enter_context(_patched(torch.cuda, "synchronize", lambda *a, **k: None))
+        stack.enter_context(_patched(torch.cuda, "Stream", _NullStream))
+        stack.enter_context(_patched(torch.cuda, "current_stream", lambda *a, **k: _NullStream()))
+        stack.enter_context(_patched(torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext()))
+        stack.enter_context(_patched(torch.cuda, "empty_cache", lambda: None))
+        stack.enter_context(_patched(torch.cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state()))
+        stack.enter_context(_patched(torch.cuda, "set_rng_state", lambda *a, **k: None))
+        stack.enter_context(_patched(torch.cuda, "manual_seed", lambda *a, **k: None))
+        stack.enter_context(_patched(torch.cuda, "max_memory_allocated", lambda *a, **k: 0))
+        stack.enter_context(_patched(torch.cuda, "memory_allocated", lambda *a, **k: 0))
+        stack.enter_context(_patched(torch.cuda, "reset_peak_memory_stats", lambda *a, **k: None))
+        try:
+            from megatron.core.tensor_parallel import random as mrandom
+
+            stack.enter_context(
+                _patched(mrandom.CudaRNGStatesTracker, "fork", lambda self, name=None: contextlib.nullcontext())
+            )
+            stack.enter_context(_patched(mrandom, "_set_cuda_rng_state", lambda *a, **k: None))
+        except ImportError:  # megatron-core not installed: torch-level patches only
+            pass
+        stack.enter_context(_CudaToCpu())
+        _ACTIVE = True
+        try:
+            yield True
+        finally:
+            _ACTIVE = False

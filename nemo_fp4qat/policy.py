@@ -1,0 +1,317 @@
+"""Layer-wise quantization policies: which module gets which format.
+
+A :class:`LayerPolicy` is an ordered list of :class:`PolicyRule` (first match wins) plus a default
+for linear layers no rule names. Rules use module-name globs; presets cover megatron-core names
+(``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``, ``embedding``, ``output_layer``)
+and Hugging Face Llama/Qwen/Mistral names (``q_proj`` ... ``down_proj``, ``lm_head``,
+``embed_tokens``) at once. Resolving a policy against a model gives a :class:`PolicyTable` that
+users print and that drives the modelopt config.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.nn as nn
+
+from .formats import FULL_PRECISION, QuantFormat, get_format
+
+__all__ = [
+    "POLICY_PRESETS",
+    "LayerPolicy",
+    "PolicyRow",
+    "PolicyRule",
+    "PolicyTable",
+    "element_bits",
+    "is_quantizable_linear",
+]
+
+# Linear layer classes modelopt quantizes, by class name so megatron-core/TE need not be imported.
+_LINEAR_CLASS_NAMES = {
+    "Linear",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "TELinear",
+    "TEColumnParallelLinear",
+    "TERowParallelLinear",
+    "TELayerNormColumnParallelLinear",
+}
+
+
+def is_quantizable_linear(module: nn.Module) -> bool:
+    """A linear layer modelopt can quantize (plain, already quantized, or megatron-core parallel)."""
+    if isinstance(module, nn.Linear):
+        return True
+    names = {c.__name__ for c in type(module).__mro__}
+    return bool(names & _LINEAR_CLASS_NAMES) and hasattr(module, "weight")
+
+
+def _canonical(fmt: str | QuantFormat | None) -> str:
+    return FULL_PRECISION.name if fmt is None else get_format(fmt).name
+
+
+@dataclass
+class PolicyRule:
+    """Modules whose name matches any of ``patterns`` get ``weight``/``input`` formats.
+
+    Attributes:
+        patterns: ``fnmatch`` globs on module names (``"*linear_fc1"``, ``"*.q_proj"``).
+        weight: format for the weight quantizer; ``None``/``"bf16"`` keeps full precision.
+        input: format for the input (activation) quantizer; defaults to ``weight``'s format.
+        group: layer-group name used by schedules (offsets) and logs.
+        optional: if False, resolving against a model where no pattern matches is an error.
+    """
+
+    patterns: list[str]
+    weight: str | None = "nvfp4"
+    input: str | None = "same"
+    group: str = "other"
+    optional: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.patterns, str):
+            self.patterns = [self.patterns]
+        self.patterns = list(self.patterns)
+        if not self.patterns or not all(isinstance(p, str) and p for p in self.patterns):
+            raise ValueError(f"PolicyRule needs at least one non-empty glob pattern, got {self.patterns!r}")
+        self.weight = _canonical(self.weight)
+        self.input = self.weight if self.input == "same" else _canonical(self.input)
+        if not self.group or not isinstance(self.group, str):
+            raise ValueError("PolicyRule.group must be a non-empty string (e.g. 'mlp', 'attention')")
+
+    def matches(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
+
+
+# Rule building blocks shared by the presets (both naming sets in each rule).
+_EMBED_OUT_NORM = dict(
+    patterns=[
+        "*embedding*", "*embed_tokens*", "*wte", "*output_layer*", "*lm_head*", "*norm*",
+        "*router*", "*mlp.gate", "*block_sparse_moe.gate",
+    ],
+    weight=None, group="embedding_output_norm",
+)  # fmt: skip
+_ATTENTION = [
+    "*linear_qkv", "*linear_proj", "*q_proj", "*k_proj", "*v_proj", "*o_proj", "*qkv_proj",
+    "*self_attn.out_proj", "*attn.c_attn", "*attn.c_proj",
+]  # fmt: skip
+_MLP = [
+    "*linear_fc1", "*linear_fc2", "*gate_proj", "*up_proj", "*down_proj", "*gate_up_proj",
+    "*mlp.fc1", "*mlp.fc2", "*mlp.c_fc", "*mlp.c_proj", "*dense_h_to_4h", "*dense_4h_to_h",
+]  # fmt: skip
+
+POLICY_PRESETS: dict[str, dict[str, Any]] = {
+    # Keep embeddings, the output layer, norms and MoE routers in full precision; FP4 elsewhere.
+    "fp_embeddings": {"rules": [_EMBED_OUT_NORM], "default": "nvfp4"},
+    # MLP in NVFP4 only; other linear layers stay in full precision.
+    "aggressive_mlp": {
+        "rules": [_EMBED_OUT_NORM, dict(patterns=_MLP, weight="nvfp4", group="mlp")],
+        "default": None,
+    },
+    # Attention projections at 8 bits with per-32 block scales (MXFP8); everything else NVFP4.
+    "conservative_attention": {
+        "rules": [_EMBED_OUT_NORM, dict(patterns=_ATTENTION, weight="mxfp8", group="attention")],
+        "default": "nvfp4",
+    },
+    # The three combined.
+    "default": {
+        "rules": [
+            _EMBED_OUT_NORM,
+            dict(patterns=_ATTENTION, weight="mxfp8", group="attention"),
+            dict(patterns=_MLP, weight="nvfp4", group="mlp"),
+        ],
+        "default": "nvfp4",
+    },
+    # Deployable with TensorRT-LLM MIXED_PRECISION: per-layer FP8 (attention) / NVFP4 (MLP).
+    "trtllm_mixed": {
+        "rules": [
+            _EMBED_OUT_NORM,
+            dict(patterns=_ATTENTION, weight="fp8", group="attention"),
+            dict(patterns=_MLP, weight="nvfp4", group="mlp"),
+        ],
+        "default": "nvfp4",
+    },
+}
+
+
+@dataclass(frozen=True)
+class PolicyRow:
+    module: str
+    group: str
+    rule: str  # "rule 2 (*linear_fc1, ...)" or "default"
+    weight: str
+    input: str
+    quantizable: bool
+
+    @property
+    def quantized(self) -> bool:
+        return self.quantizable and (self.weight != FULL_PRECISION.name or self.input != FULL_PRECISION.name)
+
+
+@dataclass
+class PolicyTable:
+    """The result of resolving a policy against a model: one row per matched or linear module."""
+
+    rows: list[PolicyRow]
+
+    def assignment(self) -> dict[str, tuple[QuantFormat, QuantFormat]]:
+        """Quantizable module name -> (weight format, input format), for the modelopt config."""
+        return {r.module: (get_format(r.weight), get_format(r.input)) for r in self.rows if r.quantizable}
+
+    def groups(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for r in self.rows:
+            if r.quantizable:
+                out.setdefault(r.group, []).append(r.module)
+        return out
+
+    def format_table(self) -> str:
+        """A plain-text table (module, group, weight, input, rule) for logs and terminals."""
+        head = ("module", "group", "weight", "input", "rule")
+        data = [(r.module, r.group, r.weight, r.input, r.rule) for r in self.rows]
+        widths = [max(len(str(x)) for x in col) for col in zip(head, *data)]
+        line = lambda row: "  ".join(str(v).ljust(w) for v, w in zip(row, widths))  # noqa: E731
+        return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in data])
+
+    def __str__(self) -> str:
+        return self.format_table()
+
+
+@dataclass
+class LayerPolicy:
+    """Ordered rules (first match wins) mapping module-name globs to formats.
+
+    Args:
+        rules: :class:`PolicyRule` objects or dicts with the same fields.
+        default: format for quantizable linear layers no rule matches (``None``: full precision).
+        name: a label for logs and reports.
+    """
+
+    rules: list[PolicyRule] = field(default_factory=list)
+    default: str | None = "nvfp4"
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        rules = []
+        for i, r in enumerate(self.rules):
+            if isinstance(r, PolicyRule):
+                rules.append(r)
+            elif isinstance(r, dict) or hasattr(r, "items"):
+                try:
+                    rules.append(PolicyRule(**dict(r)))
+                except TypeError as e:
+                    raise ValueError(
+                        f"Policy rule {i} is invalid ({e}); a rule has the fields patterns, weight, "
+                        "input, group, optional."
+                    ) from e
+            else:
+                raise TypeError(f"Policy rule {i} must be a PolicyRule or a dict, got {type(r).__name__}")
+        self.rules = rules
+        self.default = _canonical(self.default)
+
+    # --- construction -------------------------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str) -> LayerPolicy:
+        if name not in POLICY_PRESETS:
+            raise ValueError(f"Unknown policy preset {name!r}; presets: {', '.join(POLICY_PRESETS)}")
+        spec = POLICY_PRESETS[name]
+        return cls(rules=[PolicyRule(**r) for r in spec["rules"]], default=spec["default"], name=name)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> LayerPolicy:
+        """Load a policy file: either ``_target_``-style (hydra) or plain ``rules``/``default`` keys."""
+        from .config_io import instantiate_yaml
+
+        obj = instantiate_yaml(path, default_target=cls)
+        if not isinstance(obj, LayerPolicy):
+            raise TypeError(f"{path} does not describe a LayerPolicy (got {type(obj).__name__})")
+        return obj
+
+    @classmethod
+    def resolve_spec(cls, spec: str | Path | dict | LayerPolicy) -> LayerPolicy:
+        """A preset name, a YAML path, a dict of fields or a policy object -> LayerPolicy."""
+        if isinstance(spec, LayerPolicy):
+            return spec
+        if isinstance(spec, dict) or hasattr(spec, "items"):
+            d = {k: v for k, v in dict(spec).items() if k != "_target_"}
+            return cls(**d)
+        spec_s = str(spec)
+        if spec_s in POLICY_PRESETS:
+            return cls.preset(spec_s)
+        if spec_s.endswith((".yaml", ".yml")) or Path(spec_s).is_file():
+            return cls.from_yaml(spec_s)
+        raise ValueError(f"Policy {spec!r} is neither a preset ({', '.join(POLICY_PRESETS)}) nor a YAML file.")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "default": self.default, "rules": [asdict(r) for r in self.rules]}
+
+    # --- queries ------------------------------------------------------------------------------
+    @property
+    def formats(self) -> list[QuantFormat]:
+        names = [self.default] + [f for r in self.rules for f in (r.weight, r.input)]
+        return [get_format(n) for n in dict.fromkeys(names)]
+
+    @property
+    def target_format(self) -> QuantFormat:
+        """The most aggressive format the policy uses (what a schedule must end in)."""
+        quant = [f for f in self.formats if not f.is_full_precision]
+        if not quant:
+            return FULL_PRECISION
+        return min(quant, key=lambda f: (element_bits(f), f.bits_per_element))
+
+    def resolve(self, model: nn.Module) -> PolicyTable:
+        """Match every module of ``model``; raise if a rule matches nothing or nothing is quantized."""
+        rows: list[PolicyRow] = []
+        hits = [0] * len(self.rules)
+        names: list[str] = []
+        for name, module in model.named_modules():
+            if not name or _is_quantizer(module):
+                continue
+            names.append(name)
+            quantizable = is_quantizable_linear(module)
+            for i, rule in enumerate(self.rules):
+                if rule.matches(name):
+                    hits[i] += 1
+                    label = f"rule {i} ({', '.join(rule.patterns[:3])}{', ...' if len(rule.patterns) > 3 else ''})"
+                    if quantizable or not _is_container(module):
+                        rows.append(PolicyRow(name, rule.group, label, rule.weight, rule.input, quantizable))
+                    break
+            else:
+                if quantizable:
+                    rows.append(PolicyRow(name, "other", "default", self.default, self.default, True))
+        for i, rule in enumerate(self.rules):
+            if hits[i] == 0 and not rule.optional:
+                sample = ", ".join(names[:8]) + (" ..." if len(names) > 8 else "")
+                raise ValueError(
+                    f"Policy {self.name!r}: rule {i} (group {rule.group!r}, patterns {rule.patterns}) "
+                    f"matches no module of {type(model).__name__}. Fix the glob (module names look like: "
+                    f"{sample}) or mark the rule 'optional: true'."
+                )
+        table = PolicyTable(rows)
+        if not any(r.quantized for r in rows):
+            raise ValueError(
+                f"Policy {self.name!r} leaves no layer of {type(model).__name__} quantized "
+                f"(default={self.default!r}, rules={[r.patterns for r in self.rules]}). Set a quantized "
+                "'default' or add a rule with a format for the linear layers."
+            )
+        return table
+
+
+def element_bits(fmt: QuantFormat) -> int:
+    """Bits per element (without scales): the precision a schedule stage compares."""
+    if fmt.element is None:
+        return 16
+    if fmt.element[0] == "int":
+        return int(fmt.element[1])
+    return 1 + int(fmt.element[0]) + int(fmt.element[1])
+
+
+def _is_quantizer(module: nn.Module) -> bool:
+    return type(module).__name__.endswith("Quantizer")
+
+
+def _is_container(module: nn.Module) -> bool:
+    return any(True for _ in module.children())

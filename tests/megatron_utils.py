@@ -1,0 +1,60 @@
+"""Helpers to build a tiny megatron-core GPTModel on the CPU (nemo env only)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_single_process_parallel() -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(free_port())
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+
+
+def tiny_gpt(vocab: int = 96, hidden: int = 64, layers: int = 2, seed: int = 0):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(seed)
+    cfg = TransformerConfig(
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=4,
+        use_cpu_initialization=True,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+    return GPTModel(
+        config=cfg,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=vocab,
+        max_sequence_length=64,
+        position_embedding_type="rope",
+    )
+
+
+def gpt_inputs(tokens: torch.Tensor):
+    b, t = tokens.shape
+    pos = torch.arange(t).unsqueeze(0).expand(b, -1)
+    mask = torch.triu(torch.ones(t, t, dtype=torch.bool), 1).view(1, 1, t, t)
+    return tokens, pos, mask

@@ -1,0 +1,118 @@
+"""modelopt's normal API on CPU through the backend: formats, gradients, CUDA left alone."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import nemo_fp4qat
+from nemo_fp4qat import cpu_backend, get_format
+from nemo_fp4qat.cpu_fake_quant import fake_quant_mx, fake_quant_nvfp4
+from nemo_fp4qat.modelopt_compat import modelopt_version
+
+mtq = pytest.importorskip("modelopt.torch.quantization")
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 32))
+
+
+def _data():
+    return [torch.randn(8, 64) for _ in range(4)]
+
+
+def test_import_installs_backend():
+    assert nemo_fp4qat.cpu_backend_installed()
+
+
+def test_mtq_nvfp4_default_cfg_runs_on_cpu_and_matches_kernel():
+    m = _mlp()
+    data = _data()
+    mtq.quantize(m, mtq.NVFP4_DEFAULT_CFG, lambda mm: [mm(d) for d in data])
+    x = torch.randn(8, 64)
+    lin = m[0]
+    expect_in = fake_quant_nvfp4(x, lin.input_quantizer.amax)
+    expect_w = fake_quant_nvfp4(lin.weight, lin.weight_quantizer.amax)
+    ref = torch.nn.functional.linear(expect_in, expect_w, lin.bias)
+    assert torch.equal(lin(x), ref)
+
+
+@pytest.mark.parametrize(
+    "cfg_name,element",
+    [("MXFP4_DEFAULT_CFG", (2, 1)), ("MXFP6_DEFAULT_CFG", (3, 2)), ("MXFP8_DEFAULT_CFG", (4, 3))],
+)
+def test_mtq_mx_configs_run_on_cpu(cfg_name, element):
+    m = _mlp()
+    mtq.quantize(m, getattr(mtq, cfg_name), None)
+    x = torch.randn(8, 64)
+    lin = m[0]
+    ref = torch.nn.functional.linear(fake_quant_mx(x, element), fake_quant_mx(lin.weight, element), lin.bias)
+    assert torch.equal(lin(x), ref)
+
+
+def test_straight_through_gradient_follows_installed_modelopt():
+    m = nn.Linear(64, 8)
+    mtq.quantize(m, mtq.NVFP4_DEFAULT_CFG, lambda mm: mm(torch.randn(4, 64)))
+    q = m.input_quantizer
+    q.amax = torch.tensor(1.0)  # so that some inputs exceed amax
+    x = (torch.randn(4, 64) * 2).requires_grad_()
+    q(x).sum().backward()
+    if q._pass_through_bwd:
+        expected = torch.ones_like(x)
+    else:  # clipped STE (modelopt 0.37 default)
+        expected = (x.detach().abs() <= 1.0).float()
+    assert torch.equal(x.grad, expected)
+    if modelopt_version().release[:2] >= (0, 47):
+        assert q._pass_through_bwd
+    else:
+        assert not q._pass_through_bwd and (expected == 0).any()
+
+
+def test_non_cpu_tensors_go_to_modelopts_original_op(monkeypatch):
+    seen = []
+
+    def recorder(inputs, *args):
+        seen.append(inputs.device.type)
+        return inputs
+
+    monkeypatch.setattr(cpu_backend, "_ORIGINAL_OP", recorder)
+    x = torch.empty(4, 16, device="meta")
+    out = cpu_backend._cpu_dynamic_block_quantize_op(x, 16, torch.tensor(1.0), 4, 2, 8, 4)
+    assert seen == ["meta"] and out is x
+    cpu_out = cpu_backend._cpu_dynamic_block_quantize_op(torch.randn(4, 16), 16, torch.tensor(1.0), 4, 2, 8, 4)
+    assert seen == ["meta"] and cpu_out.shape == (4, 16)
+
+
+def test_uninstall_restores_modelopt_op():
+    from modelopt.torch.quantization import tensor_quant
+
+    cpu_backend.uninstall_cpu_backend()
+    try:
+        assert tensor_quant.dynamic_block_quantize_op is not cpu_backend._cpu_dynamic_block_quantize_op
+        m = _mlp()
+        mtq.quantize(m, mtq.NVFP4_DEFAULT_CFG, lambda mm: mm(torch.randn(2, 64)))
+        with pytest.raises((AssertionError, RuntimeError)):  # modelopt alone cannot fake-quant NVFP4 on a CPU
+            m(torch.randn(2, 64))
+    finally:
+        cpu_backend.install_cpu_backend()
+    assert nemo_fp4qat.cpu_backend_installed()
+
+
+@pytest.mark.skipif(modelopt_version().release[:2] < (0, 47), reason="register_quant_backend is 0.47+")
+def test_named_backend_selectable_in_config():
+    cfg = copy.deepcopy(mtq.NVFP4_DEFAULT_CFG)
+    attrs = {**get_format("nvfp4").quantizer_cfg("weight"), "backend": cpu_backend.BACKEND_NAME}
+    attrs.pop("enable")
+    cfg["quant_cfg"] = [
+        {"quantizer_name": "*", "enable": False},
+        {"quantizer_name": "*weight_quantizer", "cfg": attrs, "enable": True},
+    ]
+    m = nn.Linear(64, 8)
+    mtq.quantize(m, cfg, lambda mm: mm(torch.randn(2, 64)))
+    assert m.weight_quantizer.backend == cpu_backend.BACKEND_NAME
+    expect = fake_quant_nvfp4(m.weight, m.weight_quantizer.amax)
+    assert torch.equal(m.weight_quantizer(m.weight), expect)

@@ -1,0 +1,58 @@
+"""A real megatron-core GPTModel, NVFP4 QAT on the CPU (nemo env: modelopt 0.37's megatron plugin)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.nemo
+
+
+@pytest.fixture(scope="module")
+def cpu_mode():
+    pytest.importorskip("megatron.core")
+    from nemo_fp4qat.nemo import megatron_cpu_mode
+
+    from megatron_utils import init_single_process_parallel
+
+    init_single_process_parallel()
+    with megatron_cpu_mode() as active:
+        assert active
+        yield
+
+
+def test_megatron_gpt_nvfp4_qat_trains_on_cpu(cpu_mode):
+    from nemo_fp4qat import QATController
+
+    from megatron_utils import gpt_inputs, tiny_gpt
+    from tiny_models import PatternTokens
+
+    model = tiny_gpt()
+    ctl = QATController(policy="fp_embeddings", schedule="direct", calibration=16, forward_fn=lambda m, b: m(*b))
+    table = ctl.prepare(model)
+    assign = table.assignment()
+    assert assign["decoder.layers.0.mlp.linear_fc1"][0].name == "nvfp4"
+    assert assign["output_layer"][0].is_full_precision
+    assert type(model.decoder.layers[0].mlp.linear_fc1).__name__.startswith("Quant")
+
+    data = PatternTokens(64, 24).data
+    ctl.calibrate(model, [gpt_inputs(data[:16, :-1])])
+    fc1 = model.decoder.layers[0].mlp.linear_fc1
+    assert fc1.weight_quantizer.is_enabled and float(fc1.input_quantizer.amax) > 0
+
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for step in range(12):
+        batch = data[(step * 8) % 64 : (step * 8) % 64 + 8]
+        ctl.step(model, step)
+        logits = model(*gpt_inputs(batch[:, :-1]))
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        assert grads and all(torch.isfinite(g).all() for g in grads)
+        opt.step()
+        losses.append(float(loss))
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses

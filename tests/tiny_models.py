@@ -1,0 +1,118 @@
+"""Small real models for the tests: a Hugging Face Llama, a megatron-named transformer, and a
+LightningModule that trains either on a learnable synthetic token stream."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+
+VOCAB = 96
+
+
+def tiny_llama(seed: int = 0, hidden: int = 64, layers: int = 2) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+class _MegatronStyleLayer(nn.Module):
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.input_layernorm = nn.LayerNorm(h)
+        self.self_attention = nn.Module()
+        self.self_attention.linear_qkv = nn.Linear(h, 3 * h)
+        self.self_attention.linear_proj = nn.Linear(h, h)
+        self.pre_mlp_layernorm = nn.LayerNorm(h)
+        self.mlp = nn.Module()
+        self.mlp.linear_fc1 = nn.Linear(h, 4 * h)
+        self.mlp.linear_fc2 = nn.Linear(4 * h, h)
+        self.h = h
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        q, k, v = self.self_attention.linear_qkv(self.input_layernorm(x)).chunk(3, dim=-1)
+        a = F.scaled_dot_product_attention(
+            q.view(b, t, 4, h // 4).transpose(1, 2),
+            k.view(b, t, 4, h // 4).transpose(1, 2),
+            v.view(b, t, 4, h // 4).transpose(1, 2),
+            is_causal=True,
+        )
+        x = x + self.self_attention.linear_proj(a.transpose(1, 2).reshape(b, t, h))
+        return x + self.mlp.linear_fc2(F.gelu(self.mlp.linear_fc1(self.pre_mlp_layernorm(x))))
+
+
+class MegatronStyleGPT(nn.Module):
+    """Plain-torch GPT with megatron-core module names (embedding, decoder.layers, output_layer)."""
+
+    def __init__(self, hidden: int = 64, layers: int = 2, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embedding = nn.Module()
+        self.embedding.word_embeddings = nn.Embedding(VOCAB, hidden)
+        self.decoder = nn.Module()
+        self.decoder.layers = nn.ModuleList(_MegatronStyleLayer(hidden) for _ in range(layers))
+        self.decoder.final_layernorm = nn.LayerNorm(hidden)
+        self.output_layer = nn.Linear(hidden, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embedding.word_embeddings(tokens)
+        for layer in self.decoder.layers:
+            x = layer(x)
+        return self.output_layer(self.decoder.final_layernorm(x))
+
+
+class PatternTokens(Dataset):
+    """Token sequences from a few fixed random "phrases": learnable, so the loss falls quickly."""
+
+    def __init__(self, n: int = 256, seq_len: int = 32, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        phrases = torch.randint(0, VOCAB, (8, seq_len + 1), generator=g)
+        self.data = phrases[torch.randint(0, 8, (n,), generator=g)]
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.data[i]
+
+
+class LitLM(pl.LightningModule):
+    """Causal LM training on token tensors; ``net`` is an HF model or MegatronStyleGPT."""
+
+    def __init__(self, net: nn.Module, lr: float = 3e-3) -> None:
+        super().__init__()
+        self.net = net
+        self.lr = lr
+        self.losses: list[float] = []
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out = self.net(tokens)
+        return out.logits if hasattr(out, "logits") else out
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        logits = self(batch[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        self.losses.append(float(loss.detach()))
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def loader(n: int = 128, seq_len: int = 32, batch_size: int = 8, seed: int = 0) -> DataLoader:
+    return DataLoader(PatternTokens(n, seq_len, seed), batch_size=batch_size, shuffle=False)
