@@ -17,6 +17,13 @@ What is reproduced, read from modelopt 0.37/0.47 sources:
   convert with saturation (``__NV_SATFINITE``).
 * Partial last blocks are zero-padded, as the CUDA extension does.
 
+Measured on an H200 (``benchmarks/gpu_check.py``, ``benchmarks/RESULTS.md``): the MX formats match
+modelopt's CUDA extension bit for bit. For NVFP4 this module uses IEEE float32 division and so
+equals modelopt's ``NVFP4QTensor`` (the export path) exactly, while modelopt's Triton kernel uses
+Triton's approximate float32 division: it differs from both by an ulp in the scale, and on
+bfloat16 inputs rounds about 0.05% of elements that sit on an E2M1 tie to the other neighbour.
+What is trained on a CPU here is therefore exactly what modelopt exports.
+
 One deliberate difference: a NaN input element gives NaN here. The CUDA kernels turn it into a
 finite value (the Triton compare chain yields ``-6 * scale``), which would hide divergence from
 the quantization monitor.
