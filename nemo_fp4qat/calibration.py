@@ -151,7 +151,11 @@ def run_calibration(
 
 
 def sync_amax_across_ranks(model: nn.Module) -> int:
-    """All-reduce (MAX) every quantizer amax across the default process group. Returns the count."""
+    """All-reduce (MAX) every quantizer amax across the default process group. Returns the count.
+
+    modelopt's ``max_calibrate`` already syncs input-quantizer amax over its data-parallel group;
+    this covers every quantizer (weights too) and every algorithm, whatever group modelopt inferred.
+    """
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:

@@ -84,27 +84,23 @@ class FP4QATCallback(pl.Callback):
     def _has_linears(self, module: nn.Module) -> bool:
         return any(is_quantizable_linear(m) for m in module.modules())
 
-    def _saved(self, trainer: pl.Trainer) -> dict[str, Any] | None:
-        path = getattr(trainer, "ckpt_path", None)
-        if not path:
-            return None
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-        return ckpt.get(CHECKPOINT_KEY)
-
     def prepare(self, trainer: pl.Trainer | None, pl_module: pl.LightningModule) -> None:
-        """Insert quantizers (or rebuild them from the checkpoint being resumed)."""
+        """Insert quantizers per policy, and arrange for a resumed checkpoint to reconfigure them."""
         if self._prepared:
             return
-        module = self.target_module(pl_module)
-        saved = self._saved(trainer) if trainer is not None else None
-        if saved is not None:
-            self.controller.restore(module, saved["modelopt_state"], saved["controller"])
-            self.controller.calib_batches = saved.get("calib_batches", [])
-            rank_zero_info(f"nemo_fp4qat: restored quantizers from {trainer.ckpt_path}")
-        else:
-            table = self.controller.prepare(module)
-            rank_zero_info(f"nemo_fp4qat: policy {self.controller.policy.name!r}\n{table.format_table()}")
+        table = self.controller.prepare(self.target_module(pl_module))
+        rank_zero_info(f"nemo_fp4qat: policy {self.controller.policy.name!r}\n{table.format_table()}")
         self._prepared = True
+
+    def restore_from_checkpoint(self, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> bool:
+        """Reconfigure quantizers to a checkpoint's saved state (before Lightning loads its weights)."""
+        saved = checkpoint.get(CHECKPOINT_KEY)
+        if saved is None:
+            return False
+        self.controller.sync_to_checkpoint(pl_module, saved["controller"], checkpoint.get("state_dict", {}))
+        self.controller.calib_batches = saved.get("calib_batches", [])
+        rank_zero_info("nemo_fp4qat: quantizers reconfigured from the checkpoint being resumed")
+        return True
 
     # --- Lightning hooks ----------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -112,6 +108,15 @@ class FP4QATCallback(pl.Callback):
             return
         if self.controller.total_steps is None and trainer.max_steps and trainer.max_steps > 0:
             self.controller.total_steps = int(trainer.max_steps)
+        # LightningModule.on_load_checkpoint runs before the weights are loaded (callbacks' hooks run
+        # after): reconfigure the quantizers there so their amax buffers load with the weights.
+        original_on_load = pl_module.on_load_checkpoint
+
+        def on_load_checkpoint_then_restore(checkpoint: dict[str, Any]) -> None:
+            original_on_load(checkpoint)
+            self.restore_from_checkpoint(pl_module, checkpoint)
+
+        pl_module.on_load_checkpoint = on_load_checkpoint_then_restore  # type: ignore[method-assign]
         if self._has_linears(self.target_module(pl_module)):
             self.prepare(trainer, pl_module)
             return

@@ -105,6 +105,36 @@ class QATController:
         self.load_state_dict(state)
         self.attach(model)
 
+    def sync_to_checkpoint(self, root: nn.Module, state: dict[str, Any], model_state_dict: dict[str, Any]) -> None:
+        """Make already-inserted quantizers match a checkpoint before its tensors are loaded.
+
+        Sets the saved schedule progress, reconfigures every quantizer to the saved formats, and
+        creates the quantizer buffers (``_amax`` ...) the checkpoint holds, so a strict
+        ``load_state_dict`` of ``model_state_dict`` (keys relative to ``root``) then succeeds.
+        """
+        self.load_state_dict(state)
+        cfg = build_quant_cfg(self._assignment(self.current), algorithm=None)
+        modules = dict(root.named_modules())
+        # the quantized module may be a submodule of root: find the prefix of the policy's names
+        first = next(iter(self.current), None)
+        prefix = ""
+        if first is not None and first not in modules:
+            prefix = next((n[: -len(first)] for n in modules if n.endswith("." + first)), "")
+        qcfg = cfg["quant_cfg"]
+        if prefix:
+            sub = modules[prefix.rstrip(".")]
+            apply_quant_cfg(sub, qcfg)
+        else:
+            apply_quant_cfg(root, qcfg)
+        for key, value in model_state_dict.items():
+            mod_name, _, attr = key.rpartition(".")
+            q = modules.get(mod_name)
+            if q is None or not type(q).__name__.endswith("Quantizer") or not attr.startswith("_"):
+                continue
+            if not isinstance(getattr(q, attr, None), torch.Tensor):
+                q.register_buffer(attr, torch.empty_like(value))
+        self.attach(modules[prefix.rstrip(".")] if prefix else root)
+
     @staticmethod
     def _assignment(formats: dict[str, tuple[str, str]]) -> dict[str, tuple[QuantFormat, QuantFormat]]:
         return {m: (get_format(w), get_format(i)) for m, (w, i) in formats.items()}
@@ -217,9 +247,6 @@ class QATController:
                 kind = "weight" if qname.endswith("weight_quantizer") else "input"
                 attrs = {k: v for k, v in old_fmt.quantizer_cfg(kind).items() if k != "enable"}
                 old_q = TensorQuantizer(QuantizerAttributeConfig(**attrs))
-                amax = getattr(q, "_amax", None)
-                if isinstance(amax, torch.Tensor):
-                    old_q.amax = amax.detach().clone()
                 old_q.to(next((b.device for b in q.buffers()), torch.device("cpu")))
             self._old_quantizers[qname] = old_q
 
@@ -228,6 +255,10 @@ class QATController:
                     return output
                 alpha = self.ramp_alpha(_qname)
                 oq = self._old_quantizers.get(_qname)
+                amax = getattr(module, "_amax", None)
+                if oq is not None and isinstance(amax, torch.Tensor):
+                    # read at call time: after a restore the buffer is filled only after attach()
+                    oq.amax = amax.detach()
                 previous = args[0] if oq is None else oq(args[0])
                 return alpha * output + (1.0 - alpha) * previous
 

@@ -38,8 +38,7 @@ class FP4QATMixin:
             callback_kwargs.setdefault("module_getter", lambda _pl: target)
         if self._fp4qat is None:
             self._fp4qat = FP4QATCallback(**callback_kwargs)
-        if self._fp4qat.controller.table is None:  # not already restored by on_load_checkpoint
-            self._fp4qat.prepare(None, self)  # type: ignore[arg-type]
+        self._fp4qat.prepare(None, self)  # type: ignore[arg-type]
         return self._fp4qat
 
     @property
@@ -66,13 +65,5 @@ class FP4QATMixin:
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)  # type: ignore[misc]
-        saved = checkpoint.get(CHECKPOINT_KEY)
-        if saved is not None and self._fp4qat is not None:
-            cb = self._fp4qat
-            target = cb.target_module(self)  # type: ignore[arg-type]
-            if cb.controller.table is None:
-                cb.controller.restore(target, saved["modelopt_state"], saved["controller"])
-            else:
-                cb.controller.load_state_dict(saved["controller"])
-            cb.controller.calib_batches = saved.get("calib_batches", [])
-            cb._prepared = True
+        if CHECKPOINT_KEY in checkpoint and self._fp4qat is not None:
+            self._fp4qat.restore_from_checkpoint(self, checkpoint)  # type: ignore[arg-type]

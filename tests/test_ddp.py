@@ -1,0 +1,30 @@
+"""Two CPU processes (Lightning ``ddp``, gloo): identical amax and stage on both ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.slow
+def test_two_rank_ddp_ends_with_identical_amax_and_stage(tmp_path):
+    worker = Path(__file__).parent / "ddp_worker.py"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(worker), str(tmp_path)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r0 = json.loads((tmp_path / "rank0.json").read_text())
+    r1 = json.loads((tmp_path / "rank1.json").read_text())
+    assert r0["amax"] and r0["amax"] == r1["amax"]
+    assert r0["current"] == r1["current"] and r0["history"] == r1["history"]
+    assert r0["current"]["net.model.layers.0.mlp.up_proj"] == ["nvfp4", "nvfp4"]
+    # the ranks calibrated on different samples, yet agree on every amax right after calibration
+    assert r0["calib_first"] != r1["calib_first"]
+    assert len(r0["after_calib"]) >= 20 and r0["after_calib"] == r1["after_calib"]
+    assert r0["calib_rows"] == r1["calib_rows"] == 32
