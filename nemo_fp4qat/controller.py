@@ -172,6 +172,12 @@ class QATController:
                 amax = getattr(q, "_amax", None)
                 if isinstance(amax, torch.Tensor):
                     saved[name] = amax.detach().clone()
+        for name, q in model.named_modules():
+            calib = getattr(q, "_calibrator", None)
+            if name.rsplit(".", 1)[0] in keep and calib is not None and hasattr(calib, "reset"):
+                # modelopt 0.37's MaxCalibrator keeps its running max across calibrate() calls: without
+                # a reset the new amax would be max(old data, new data), and differ after a resume.
+                calib.reset()
         run_calibration(model, self.calib_batches, "max", self.forward_fn)
         mods = dict(model.named_modules())
         for name, amax in saved.items():

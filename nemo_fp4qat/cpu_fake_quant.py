@@ -31,7 +31,12 @@ the quantization monitor.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
+
+from . import native_kernels
 
 __all__ = [
     "FLOAT_FORMAT_MAX",
@@ -39,7 +44,32 @@ __all__ = [
     "fake_quant_mx",
     "fake_quant_nvfp4",
     "round_to_minifloat",
+    "use_native",
 ]
+
+_NATIVE_ENABLED = True
+
+
+@contextlib.contextmanager
+def use_native(enabled: bool) -> Iterator[None]:
+    """Force (or forbid) the native C kernels inside the block; for tests and benchmarks."""
+    global _NATIVE_ENABLED
+    old, _NATIVE_ENABLED = _NATIVE_ENABLED, enabled
+    try:
+        yield
+    finally:
+        _NATIVE_ENABLED = old
+
+
+def _native_ok(x: torch.Tensor) -> bool:
+    return (
+        _NATIVE_ENABLED
+        and x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and x.numel() > 0
+        and native_kernels.native_available()
+    )
+
 
 # (exponent_bits, mantissa_bits) -> (largest finite value, minimum normal exponent).
 # OCP MX element formats have no Inf/NaN encodings (E4M3 "fn" reserves one code for NaN only).
@@ -112,15 +142,19 @@ def fake_quant_nvfp4(x: torch.Tensor, amax: torch.Tensor | float | None, block_s
             reduced with ``amax()`` as modelopt does; ``None`` uses ``x``'s own amax.
         block_size: elements per E4M3-scaled block (16 for NVFP4).
     """
-    xb, n = _blocked(x, block_size)
     if amax is None:
-        amax_t = _nan_free_block_amax(xb.abs()).amax()
+        amax_t = _nan_free_block_amax(x.detach().abs().float().reshape(1, 1, -1)).amax()
     else:
         amax_t = torch.as_tensor(amax, dtype=torch.float32).to(x.device).float()
         if amax_t.numel() != 1:
             amax_t = amax_t.amax()
         amax_t = amax_t.reshape(())
     gs = amax_t / (6.0 * 448.0)
+    if _native_ok(x):
+        valid = bool(torch.isfinite(gs) and gs > 0)
+        y = native_kernels.native_nvfp4(x.detach().float().contiguous(), float(gs), valid, block_size)
+        return y.to(x.dtype)
+    xb, n = _blocked(x, block_size)
     xabs = xb.abs()
     block_max = _nan_free_block_amax(xabs)
     valid_gs = torch.isfinite(gs) & (gs > 0)
@@ -148,6 +182,11 @@ def fake_quant_mx(x: torch.Tensor, element: tuple[int, int], block_size: int = 3
     """OCP MX quantize->dequantize (E8M0 power-of-two scale per block) as modelopt's CUDA extension."""
     if element not in FLOAT_FORMAT_MAX:
         raise ValueError(f"Unsupported MX element format E{element[0]}M{element[1]}")
+    if _native_ok(x):
+        y = native_kernels.native_mx(
+            x.detach().float().contiguous(), element[1], _EMIN[element], FLOAT_FORMAT_MAX[element], block_size
+        )
+        return y.to(x.dtype)
     xb, n = _blocked(x, block_size)
     xabs = xb.abs()
     block_max = _nan_free_block_amax(xabs)

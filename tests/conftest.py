@@ -12,6 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("repo", suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
+settings.load_profile("repo")
 
 sys.path.insert(0, str(Path(__file__).parent))
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -10,11 +12,26 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from nemo_fp4qat import cpu_fake_quant as cfq
+from nemo_fp4qat import native_kernels
 from nemo_fp4qat.cpu_shims import modelopt_export_on_cpu
 
 from reference_numerics import e8m0_exponent_ref, minifloat_values, mx_ref, nvfp4_ref, round_ref
 
 ELEMENTS = [(2, 1), (2, 3), (3, 2), (4, 3)]
+
+
+@pytest.fixture(params=["native", "torch"], autouse=True)
+def impl(request):
+    """Every test runs against both kernels: the compiled C one and the pure-PyTorch one."""
+    if request.param == "native" and not native_kernels.native_available():
+        pytest.skip("no C compiler: native kernels unavailable")
+    with cfq.use_native(request.param == "native"):
+        yield request.param
+
+
+def test_native_kernels_build_where_a_compiler_exists():
+    if shutil.which("cc") or shutil.which("gcc"):
+        assert native_kernels.native_available()
 
 
 def _same(a: torch.Tensor, b: np.ndarray) -> bool:

@@ -1,0 +1,44 @@
+"""Shared helpers for the benchmarks: timing, machine description, writing results."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).parent / "results"
+
+
+def best_of(fn: Callable[[], object], reps: int = 5, warmup: int = 1) -> float:
+    """Best wall time of ``reps`` runs (seconds): the least disturbed by the rest of the machine."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def machine() -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
+
+
+def write_result(name: str, markdown: str, data: dict) -> None:
+    RESULTS_DIR.mkdir(exist_ok=True)
+    (RESULTS_DIR / f"{name}.md").write_text(markdown)
+    (RESULTS_DIR / f"{name}.json").write_text(json.dumps(data, indent=1))

@@ -1,0 +1,34 @@
+"""Run every CPU benchmark and rebuild benchmarks/RESULTS.md from their results."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+
+BENCHES = ["bench_cpu_fakequant"]
+# Sections written by hand or by runs elsewhere (the GPU check) are kept as files in results/.
+STATIC = ["gpu_h200"]
+
+
+def main() -> None:
+    for name in BENCHES:
+        importlib.import_module(name).main()
+    parts = [
+        "# Benchmark results",
+        "",
+        "Every figure is a ratio measured side by side in one run. "
+        "Regenerate with `make bench` (CPU) and `benchmarks/gpu_check.py` (on a GPU).",
+        "",
+    ]
+    for f in sorted((HERE / "results").glob("*.md")):
+        parts.append(f.read_text())
+    (HERE / "RESULTS.md").write_text("\n".join(parts))
+    print(f"wrote {HERE / 'RESULTS.md'}")
+
+
+if __name__ == "__main__":
+    main()
