@@ -14,6 +14,7 @@ from .controller import QATController
 from .cpu_backend import cpu_backend_installed, install_cpu_backend, uninstall_cpu_backend
 from .formats import FORMATS, QuantFormat, get_format, list_formats
 from .mixin import FP4QATMixin
+from .monitor import Finding, MonitorThresholds, QuantizationMonitor, analyze_model
 from .policy import POLICY_PRESETS, LayerPolicy, PolicyRule, PolicyTable
 from .schedule import SCHEDULE_PRESETS, PrecisionSchedule, Stage
 
@@ -26,13 +27,17 @@ __all__ = [
     "CalibrationConfig",
     "FP4QATCallback",
     "FP4QATMixin",
+    "Finding",
     "LayerPolicy",
+    "MonitorThresholds",
     "PolicyRule",
     "PolicyTable",
     "PrecisionSchedule",
     "QATController",
     "QuantFormat",
+    "QuantizationMonitor",
     "Stage",
+    "analyze_model",
     "cpu_backend_installed",
     "get_format",
     "install_cpu_backend",

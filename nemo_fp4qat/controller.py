@@ -62,6 +62,7 @@ class QATController:
         self.total_steps: int | None = None
         self.calib_batches: list[Any] = []
         self.fused_groups: list[list[str]] = []
+        self.pins: dict[str, int] = {}  # layer group -> highest stage index it may use (rollbacks)
         self._step = 0
         self._hooks: dict[str, Any] = {}
         self._old_quantizers: dict[str, nn.Module] = {}
@@ -82,7 +83,8 @@ class QATController:
         """Module -> (weight format, input format) the schedule prescribes at ``step``."""
         out = {}
         for module, (wt, it, group) in self._targets().items():
-            st = self.schedule.stage_format(self.schedule.stage_index(step, group, self.total_steps))
+            idx = self.schedule.stage_index(step, group, self.total_steps)
+            st = self.schedule.stage_format(min(idx, self.pins.get(group, idx)))
             out[module] = (effective_format(st, wt).name, effective_format(st, it).name)
         return out
 
@@ -223,6 +225,14 @@ class QATController:
         self._expire_ramps(model)
         return events
 
+    def roll_back_group(self, group: str) -> int:
+        """Keep ``group`` one stage below where it is now for the rest of the run (applied next step)."""
+        now = self.schedule.stage_index(self._step, group, self.total_steps)
+        now = min(now, self.pins.get(group, now))
+        self.pins[group] = max(0, now - 1)
+        log.warning("nemo_fp4qat: layer group %r rolled back to stage %d", group, self.pins[group])
+        return self.pins[group]
+
     def stage_summary(self, step: int | None = None) -> dict[str, int]:
         """Group -> element bits of its weight format now (for logging)."""
         out: dict[str, int] = {}
@@ -291,6 +301,7 @@ class QATController:
             "ramps": {k: dict(v) for k, v in self.ramps.items()},
             "total_steps": self.total_steps,
             "step": self._step,
+            "pins": dict(self.pins),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -304,3 +315,4 @@ class QATController:
         self.ramps = {k: dict(v) for k, v in state["ramps"].items()}
         self.total_steps = state["total_steps"]
         self._step = int(state.get("step", 0))
+        self.pins = dict(state.get("pins", {}))

@@ -1,0 +1,100 @@
+"""Training-step overheads on the CPU, measured side by side in one run.
+
+* QAT step time: NVFP4 QAT (FP4QATCallback, NVFP4 weights+inputs on every linear but the output
+  layer) / full-precision step, same model, batch and optimizer. Target <= 1.10.
+* Peak training memory (max RSS growth of a fresh process) QAT / full precision. Target <= 1.2.
+* Monitoring overhead: QAT + QuantizationMonitor(every_n_steps=50, the default) / QAT alone. Target <= 1.05.
+
+Each variant runs in its own process (clean peak-memory reading); variants alternate over rounds
+and the per-variant median is used.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+STEPS, WARMUP = 60, 5
+
+
+def worker(variant: str) -> dict:
+    import lightning.pytorch as pl
+    import torch
+
+    from nemo_fp4qat import FP4QATCallback, QuantizationMonitor
+
+    from tiny_models import LitLM, MegatronStyleGPT, loader
+
+    torch.manual_seed(0)
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    lit = LitLM(MegatronStyleGPT(hidden=256, layers=4), lr=1e-4)
+    times: list[float] = []
+
+    class Timer(pl.Callback):
+        def on_train_batch_start(self, *a):
+            self.t = time.perf_counter()
+
+        def on_train_batch_end(self, *a):
+            times.append(time.perf_counter() - self.t)
+
+    cbs: list = [Timer()]
+    if variant != "fp32":
+        cbs.insert(0, FP4QATCallback(policy="fp_embeddings", schedule="direct", calibration=32))
+    if variant == "qat+monitor":
+        cbs.insert(1, QuantizationMonitor(out_dir="/tmp/nemo_fp4qat_bench_monitor"))
+    trainer = pl.Trainer(max_steps=STEPS + WARMUP, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=cbs)  # fmt: skip
+    trainer.fit(lit, loader(n=(STEPS + WARMUP) * 8, seq_len=128, batch_size=8))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"step_s": sum(times[WARMUP:]) / STEPS, "rss_growth_mb": (rss - rss0) / 1024}
+
+
+def main() -> dict:
+    from common import machine, write_result
+
+    variants = ["fp32", "nvfp4_qat", "qat+monitor"]
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
+    for _ in range(3):
+        for v in variants:
+            out = subprocess.run([sys.executable, __file__, "--worker", v], capture_output=True, text=True, check=True)
+            runs[v].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    med = {v: {k: statistics.median(r[k] for r in runs[v]) for k in ("step_s", "rss_growth_mb")} for v in variants}
+    step_ratio = med["nvfp4_qat"]["step_s"] / med["fp32"]["step_s"]
+    mem_ratio = med["nvfp4_qat"]["rss_growth_mb"] / med["fp32"]["rss_growth_mb"]
+    mon_ratio = med["qat+monitor"]["step_s"] / med["nvfp4_qat"]["step_s"]
+    md = "\n".join([
+        "## Training overheads on the CPU (QAT step, memory, monitoring)",
+        "",
+        f"Machine: {machine()}. Model: megatron-style GPT, 4 layers, hidden 256, vocab 96; batch 8x128 tokens; "
+        f"AdamW; {STEPS} timed steps after {WARMUP} warm-up, median of 3 alternating rounds, one process per run.",
+        "",
+        "| variant | step (ms) | peak RSS growth (MB) |",
+        "|---|---:|---:|",
+        *[f"| {v} | {med[v]['step_s'] * 1e3:.1f} | {med[v]['rss_growth_mb']:.0f} |" for v in variants],
+        "",
+        f"- QAT step / fp32 step: **{step_ratio:.2f}** (target <= 1.10: {'met' if step_ratio <= 1.10 else 'NOT met'})",
+        f"- peak memory QAT / fp32: **{mem_ratio:.2f}** (target <= 1.2: {'met' if mem_ratio <= 1.2 else 'NOT met'})",
+        f"- monitoring (every 50 steps) / QAT alone: **{mon_ratio:.3f}** "
+        f"(target <= 1.05: {'met' if mon_ratio <= 1.05 else 'NOT met'})",
+        "",
+    ])  # fmt: skip
+    data = {"median": med, "runs": runs, "step_ratio": step_ratio, "mem_ratio": mem_ratio, "monitor_ratio": mon_ratio}
+    write_result("training_overhead", md, data)
+    print(md)
+    return data
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        print(json.dumps(worker(sys.argv[2])))
+    else:
+        main()
