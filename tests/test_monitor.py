@@ -146,9 +146,10 @@ def test_loss_spike_right_after_a_switch_is_detected(tmp_path):
     lit = SpikyLM(MegatronStyleGPT(seed=5), lr=1e-3)
     sched = {"stages": [{"start": 0, "format": "fp8"}, {"start": 4, "format": "target"}]}
     mon = QuantizationMonitor(every_n_steps=100, out_dir=str(tmp_path))
-    pl.Trainer(max_steps=7, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-               enable_model_summary=False,
-               callbacks=[FP4QATCallback(policy="fp_embeddings", schedule=sched, calibration=16), mon]).fit(lit, loader())  # fmt: skip
+    qat = FP4QATCallback(policy="fp_embeddings", schedule=sched, calibration=16)
+    trainer = pl.Trainer(max_steps=7, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[qat, mon])  # fmt: skip
+    trainer.fit(lit, loader())
     spikes = [f for f in mon.findings if f.problem == "loss_spike_after_switch"]
     assert spikes and spikes[0].step == 4
 
