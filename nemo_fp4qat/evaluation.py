@@ -1,0 +1,215 @@
+"""Evaluation: perplexity, multiple-choice accuracy, throughput, peak memory, weight memory.
+
+All metrics are deterministic for a given model and data: perplexity uses fixed, non-overlapping
+windows from the start of the text and is token-weighted; multiple choice scores each choice by the
+log-likelihood of its tokens given the input.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .formats import FORMATS, FULL_PRECISION, QuantFormat
+
+__all__ = [
+    "EvalResult",
+    "evaluate",
+    "load_mc_tasks",
+    "multiple_choice_accuracy",
+    "perplexity",
+    "quantized_weight_memory",
+]
+
+
+def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    out = model(ids)
+    return out.logits if hasattr(out, "logits") else out
+
+
+@torch.no_grad()
+def perplexity(
+    model: nn.Module,
+    token_ids: torch.Tensor | Sequence[int],
+    window: int = 512,
+    max_windows: int | None = None,
+    batch_size: int = 4,
+) -> dict[str, float]:
+    """Token-weighted perplexity over consecutive non-overlapping windows of ``window`` tokens.
+
+    Each window predicts its tokens 1..window-1 from the ones before (the first token of a window
+    has no context and is not scored). Returns ``ppl``, ``nll`` (mean per token), ``tokens`` scored,
+    and ``tokens_per_s`` of the forward passes.
+    """
+    ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+    n_win = ids.numel() // window
+    if max_windows is not None:
+        n_win = min(n_win, max_windows)
+    if n_win == 0:
+        raise ValueError(f"Need at least {window} tokens for one window, got {ids.numel()}.")
+    windows = ids[: n_win * window].view(n_win, window)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    nll_sum, count = 0.0, 0
+    t = time.perf_counter()
+    for i in range(0, n_win, batch_size):
+        b = windows[i : i + batch_size].to(device)
+        logits = _logits(model, b)[:, :-1].float()
+        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), b[:, 1:].reshape(-1), reduction="sum")
+        nll_sum += float(nll)
+        count += b[:, 1:].numel()
+    dt = time.perf_counter() - t
+    model.train(was_training)
+    mean = nll_sum / count
+    return {"ppl": math.exp(mean), "nll": mean, "tokens": count, "tokens_per_s": n_win * window / dt}
+
+
+def load_mc_tasks(path: str | Path) -> list[dict[str, Any]]:
+    """A JSONL file of ``{"input": str, "choices": [str, ...], "answer": int | str}``."""
+    tasks = []
+    for i, line in enumerate(Path(path).read_text().splitlines()):
+        if not line.strip():
+            continue
+        t = json.loads(line)
+        missing = {"input", "choices", "answer"} - set(t)
+        if missing:
+            raise ValueError(f"{path}:{i + 1}: missing fields {sorted(missing)}")
+        if isinstance(t["answer"], str):
+            if t["answer"] not in t["choices"]:
+                raise ValueError(f"{path}:{i + 1}: answer {t['answer']!r} is not one of the choices")
+            t["answer"] = t["choices"].index(t["answer"])
+        tasks.append(t)
+    return tasks
+
+
+@torch.no_grad()
+def multiple_choice_accuracy(model: nn.Module, tokenizer: Any, tasks: Iterable[dict[str, Any]]) -> dict[str, float]:
+    """Accuracy choosing, per task, the choice with the highest total log-likelihood given the input
+    (``acc``) and with the highest per-token log-likelihood (``acc_norm``)."""
+    device = next(model.parameters()).device
+    model.eval()
+    correct = correct_norm = n = 0
+    for t in tasks:
+        ctx = tokenizer(t["input"], add_special_tokens=False)["input_ids"]
+        scores, norm = [], []
+        for choice in t["choices"]:
+            cont = tokenizer(choice, add_special_tokens=False)["input_ids"]
+            ids = torch.tensor([ctx + cont], device=device)
+            logp = torch.log_softmax(_logits(model, ids)[0, :-1].float(), dim=-1)
+            tgt = ids[0, 1:]
+            lp = logp[torch.arange(len(tgt)), tgt][len(ctx) - 1 :]
+            scores.append(float(lp.sum()))
+            norm.append(float(lp.mean()))
+        correct += int(max(range(len(scores)), key=scores.__getitem__) == t["answer"])
+        correct_norm += int(max(range(len(norm)), key=norm.__getitem__) == t["answer"])
+        n += 1
+    return {"acc": correct / max(1, n), "acc_norm": correct_norm / max(1, n), "n": n}
+
+
+def _format_of(quantizer: Any) -> QuantFormat:
+    """The registered format a (weight) quantizer is configured as; full precision if disabled."""
+    if quantizer is None or not quantizer.is_enabled:
+        return FULL_PRECISION
+
+    def norm(v: Any) -> Any:  # modelopt may hand back lists where the config had tuples
+        return tuple(v) if isinstance(v, (list, tuple)) else v
+
+    bs = dict(quantizer.block_sizes or {})
+    for f in FORMATS.values():
+        cfg = f.weight_cfg
+        if not cfg or norm(cfg["num_bits"]) != norm(quantizer.num_bits):
+            continue
+        fbs = cfg.get("block_sizes") or {}
+        if fbs.get(-1) == bs.get(-1) and norm(fbs.get("scale_bits")) == norm(bs.get("scale_bits")):
+            return f
+    raise ValueError(f"Weight quantizer {quantizer} matches no registered format; add it to formats.py.")
+
+
+def quantized_weight_memory(model: nn.Module) -> dict[str, float]:
+    """Bytes of all parameters when linear weights are stored in their quantized format (scales
+    included) and everything else in bf16; ``ratio_vs_bf16`` compares with an all-bf16 model."""
+    total_bf16 = 0.0
+    total_q = 0.0
+    handled: set[int] = set()
+    bits_hist: dict[str, int] = {}
+    for _, m in model.named_modules():
+        w = getattr(m, "weight", None)
+        q = getattr(m, "weight_quantizer", None)
+        if isinstance(w, torch.Tensor) and q is not None and id(w) not in handled:
+            handled.add(id(w))
+            fmt = _format_of(q)
+            total_bf16 += w.numel() * 2
+            total_q += fmt.weight_bytes(w.numel()) if not fmt.is_full_precision else w.numel() * 2
+            bits_hist[fmt.name] = bits_hist.get(fmt.name, 0) + w.numel()
+    for p in model.parameters():
+        if id(p) not in handled:
+            handled.add(id(p))
+            total_bf16 += p.numel() * 2
+            total_q += p.numel() * 2
+            bits_hist["bf16"] = bits_hist.get("bf16", 0) + p.numel()
+    n = sum(bits_hist.values())
+    avg_bits = 8 * total_q / max(1, n)
+    return {
+        "bytes": total_q,
+        "bytes_bf16": total_bf16,
+        "ratio_vs_bf16": total_q / total_bf16,
+        "bits_per_weight": avg_bits,
+    }
+
+
+@dataclass
+class EvalResult:
+    ppl: float
+    nll: float
+    tokens: int
+    tokens_per_s: float
+    peak_rss_mb: float
+    weight_bytes: float
+    weight_ratio_vs_bf16: float
+    bits_per_weight: float
+    acc: float | None = None
+    acc_norm: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def evaluate(
+    model: nn.Module,
+    token_ids: torch.Tensor,
+    window: int = 512,
+    max_windows: int | None = None,
+    tokenizer: Any = None,
+    mc_tasks: list[dict[str, Any]] | None = None,
+) -> EvalResult:
+    """Perplexity (+ multiple choice if given), throughput, peak memory and weight memory."""
+    p = perplexity(model, token_ids, window=window, max_windows=max_windows)
+    mem = quantized_weight_memory(model)
+    acc = multiple_choice_accuracy(model, tokenizer, mc_tasks) if (mc_tasks and tokenizer is not None) else {}
+    if torch.cuda.is_available() and next(model.parameters()).is_cuda:
+        peak = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # process peak so far (Linux: KiB)
+    return EvalResult(
+        ppl=p["ppl"],
+        nll=p["nll"],
+        tokens=p["tokens"],
+        tokens_per_s=p["tokens_per_s"],
+        peak_rss_mb=peak,
+        weight_bytes=mem["bytes"],
+        weight_ratio_vs_bf16=mem["ratio_vs_bf16"],
+        bits_per_weight=mem["bits_per_weight"],
+        acc=acc.get("acc"),
+        acc_norm=acc.get("acc_norm"),
+    )

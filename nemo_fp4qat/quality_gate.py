@@ -1,0 +1,151 @@
+"""Comparison of pipeline variants and the quality gate that can stop a CI/CD pipeline.
+
+Variants (same data): ``bf16`` (original), ``bf16_finetuned`` (same data and step budget as QAT:
+the fair baseline), ``ptq`` (PTQ of the fine-tuned baseline) and ``qat``.
+``recovery = (ppl_PTQ - ppl_QAT) / (ppl_PTQ - ppl_BF16_finetuned)``: 1.0 means QAT closes the whole
+gap PTQ opens, 0 means no better than PTQ.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["GateResult", "QualityGate", "recovery", "write_report"]
+
+
+def recovery(ppl_ptq: float, ppl_qat: float, ppl_baseline: float) -> float:
+    gap = ppl_ptq - ppl_baseline
+    if gap <= 0:
+        return float("nan")  # PTQ lost nothing: recovery is undefined
+    return (ppl_ptq - ppl_qat) / gap
+
+
+@dataclass
+class GateResult:
+    passed: bool
+    failures: list[str]
+    checks: dict[str, dict[str, float]]
+
+
+@dataclass
+class QualityGate:
+    """Pass/fail criteria for a quantized model against its full-precision baseline.
+
+    Attributes:
+        max_ppl_increase_pct: allowed perplexity increase over the baseline, in percent.
+        max_acc_drop: allowed accuracy drop in points (0-100 scale), if accuracy was measured.
+        candidate / baseline: variant names in the report.
+    """
+
+    max_ppl_increase_pct: float = 0.5
+    max_acc_drop: float = 1.0
+    candidate: str = "qat"
+    baseline: str = "bf16_finetuned"
+
+    def check(self, variants: dict[str, dict[str, Any]]) -> GateResult:
+        for name in (self.candidate, self.baseline):
+            if name not in variants:
+                raise ValueError(f"Quality gate needs variant {name!r}; report has {sorted(variants)}.")
+        cand, base = variants[self.candidate], variants[self.baseline]
+        failures, checks = [], {}
+        inc = 100.0 * (cand["ppl"] / base["ppl"] - 1.0)
+        checks["ppl_increase_pct"] = {"value": inc, "limit": self.max_ppl_increase_pct}
+        if inc > self.max_ppl_increase_pct:
+            failures.append(
+                f"perplexity: {self.candidate} {cand['ppl']:.3f} is {inc:.2f}% above {self.baseline} "
+                f"{base['ppl']:.3f} (allowed {self.max_ppl_increase_pct}%)"
+            )
+        if cand.get("acc") is not None and base.get("acc") is not None:
+            drop = 100.0 * (base["acc"] - cand["acc"])
+            checks["acc_drop_points"] = {"value": drop, "limit": self.max_acc_drop}
+            if drop > self.max_acc_drop:
+                failures.append(
+                    f"accuracy: {self.candidate} {100 * cand['acc']:.1f}% is {drop:.1f} points below "
+                    f"{self.baseline} {100 * base['acc']:.1f}% (allowed {self.max_acc_drop})"
+                )
+        return GateResult(passed=not failures, failures=failures, checks=checks)
+
+
+def _table(variants: dict[str, dict[str, Any]]) -> list[str]:
+    rows = [
+        "| variant | perplexity | accuracy | tokens/s | bits/weight | weights vs bf16 |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, v in variants.items():
+        acc = "-" if v.get("acc") is None else f"{100 * v['acc']:.1f}%"
+        rows.append(
+            f"| {name} | {v['ppl']:.3f} | {acc} | {v['tokens_per_s']:.0f} | {v['bits_per_weight']:.2f} | "
+            f"{v['weight_ratio_vs_bf16']:.3f} |"
+        )
+    return rows
+
+
+def write_report(
+    out_dir: str | Path,
+    variants: dict[str, dict[str, Any]],
+    extra: dict[str, Any] | None = None,
+    loss_curves: dict[str, list[float]] | None = None,
+    switches: list[dict[str, Any]] | None = None,
+    gate: QualityGate | None = None,
+) -> dict[str, Any]:
+    """``report.json``, ``report.md`` and PNG plots (perplexity by variant, loss curves by stage)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rec = None
+    if {"ptq", "qat", "bf16_finetuned"} <= set(variants):
+        rec = recovery(variants["ptq"]["ppl"], variants["qat"]["ppl"], variants["bf16_finetuned"]["ppl"])
+    gate_res = (gate or QualityGate()).check(variants) if {"qat", "bf16_finetuned"} <= set(variants) else None
+    report = {
+        "variants": variants,
+        "recovery": rec,
+        "gate": asdict(gate_res) if gate_res else None,
+        "gate_config": asdict(gate or QualityGate()),
+        "switches": switches or [],
+        **(extra or {}),
+    }
+    tmp = out / "report.json.tmp"
+    tmp.write_text(json.dumps(report, indent=1, default=float))
+    tmp.replace(out / "report.json")
+    md = ["# nemo-fp4qat report", "", *_table(variants), ""]
+    if rec is not None:
+        md.append(f"Recovery (PTQ -> QAT gap closed vs the fine-tuned baseline): **{rec:.3f}**")
+    if gate_res is not None:
+        md.append(f"Quality gate: **{'PASS' if gate_res.passed else 'FAIL'}** " + "; ".join(gate_res.failures))
+    (out / "report.md").write_text("\n".join(md) + "\n")
+    _plots(out, variants, loss_curves or {}, switches or [])
+    return report
+
+
+def _plots(out: Path, variants: dict[str, dict[str, Any]], curves: dict[str, list[float]], switches) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    names = list(variants)
+    ax.bar(names, [variants[n]["ppl"] for n in names], color=["#777", "#4a7", "#c55", "#36c"][: len(names)])
+    ax.set_ylabel("perplexity (validation)")
+    ax.set_title("Perplexity by variant")
+    for i, n in enumerate(names):
+        ax.text(i, variants[n]["ppl"], f"{variants[n]['ppl']:.2f}", ha="center", va="bottom", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "perplexity_by_variant.png", dpi=120)
+    plt.close(fig)
+    if curves:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for name, ys in curves.items():
+            ax.plot(range(len(ys)), ys, label=name)
+        for s in switches:
+            ax.axvline(s["step"], color="#999", ls="--", lw=0.8)
+            ax.text(s["step"], ax.get_ylim()[1], f" {s['group']}->{s['to']}", rotation=90, va="top", fontsize=6)
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss")
+        ax.set_title("Loss curves (dashed: precision switches)")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "loss_curves.png", dpi=120)
+        plt.close(fig)
