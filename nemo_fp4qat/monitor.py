@@ -401,12 +401,13 @@ class QuantizationMonitor(pl.Callback):
         for r in self.records:
             by_stage[r["stage"]] = r["layers"]
         layers = list(self.records[-1]["layers"])
-        fig, ax = plt.subplots(figsize=(max(6, 0.35 * len(layers)), 4))
+        fig, ax = plt.subplots(figsize=(min(16, max(6, 0.3 * len(layers))), 4.5))
         for stage, recs in by_stage.items():
-            ax.plot(range(len(layers)), [recs.get(n, {}).get("weight_rel_err", np.nan) for n in layers], "o-",
-                    label=stage)  # fmt: skip
-        ax.set_xticks(range(len(layers)))
-        ax.set_xticklabels([n[-28:] for n in layers], rotation=90, fontsize=6)
+            ax.plot(range(len(layers)), [recs.get(n, {}).get("weight_rel_err", np.nan) for n in layers], ".-",
+                    label=stage, lw=0.8)  # fmt: skip
+        every = max(1, math.ceil(len(layers) / 40))  # at most ~40 labels stay readable
+        ax.set_xticks(range(0, len(layers), every))
+        ax.set_xticklabels([n[-28:] for n in layers[::every]], rotation=90, fontsize=6)
         ax.set_ylabel("weight ||Q(w)-w|| / ||w||")
         ax.set_title("Weight quantization error by layer and stage")
         ax.legend(fontsize=7)
@@ -419,12 +420,12 @@ class QuantizationMonitor(pl.Callback):
         mat = np.array([[float(last[n].get(s) or 0.0) for s in stats] for n in layers])
         span = mat.max(axis=0) - mat.min(axis=0)
         norm = (mat - mat.min(axis=0)) / np.where(span > 0, span, 1.0)
-        fig, ax = plt.subplots(figsize=(7, max(3, 0.3 * len(layers))))
+        fig, ax = plt.subplots(figsize=(7, min(14, max(3, 0.3 * len(layers)))))
         im = ax.imshow(norm, aspect="auto", cmap="viridis")
         ax.set_xticks(range(len(stats)))
         ax.set_xticklabels([s.replace("weight_", "") for s in stats], rotation=45, ha="right", fontsize=7)
-        ax.set_yticks(range(len(layers)))
-        ax.set_yticklabels([n[-32:] for n in layers], fontsize=6)
+        ax.set_yticks(range(0, len(layers), every))
+        ax.set_yticklabels([n[-32:] for n in layers[::every]], fontsize=6)
         ax.set_title("Weight statistics (column-normalized), final")
         fig.colorbar(im, ax=ax)
         fig.tight_layout()
