@@ -12,6 +12,7 @@ from .calibration import CalibrationConfig
 from .callback import FP4QATCallback
 from .controller import QATController
 from .cpu_backend import cpu_backend_installed, install_cpu_backend, uninstall_cpu_backend
+from .distillation import DistillationConfig
 from .formats import FORMATS, QuantFormat, get_format, list_formats
 from .mixin import FP4QATMixin
 from .monitor import Finding, MonitorThresholds, QuantizationMonitor, analyze_model
@@ -25,6 +26,7 @@ __all__ = [
     "POLICY_PRESETS",
     "SCHEDULE_PRESETS",
     "CalibrationConfig",
+    "DistillationConfig",
     "FP4QATCallback",
     "FP4QATMixin",
     "Finding",

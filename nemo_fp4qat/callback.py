@@ -28,6 +28,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from .calibration import collect_batches
 from .controller import QATController
+from .distillation import DistillationConfig, Distiller
 from .policy import is_quantizable_linear
 
 __all__ = ["CHECKPOINT_KEY", "FP4QATCallback"]
@@ -51,6 +52,9 @@ class FP4QATCallback(pl.Callback):
             LightningModule itself).
         share_fused_amax: give q/k/v and gate/up siblings one amax.
         log_every_n_steps: how often the per-group bits are logged.
+        distillation: quantization-aware distillation: ``True``, a dict or a
+            :class:`DistillationConfig` (alpha, temperature). A frozen copy of the model taken before
+            quantization is the teacher; the training loss becomes the KD/LM mix.
     """
 
     def __init__(
@@ -63,6 +67,7 @@ class FP4QATCallback(pl.Callback):
         module_getter: Callable[[pl.LightningModule], nn.Module] | None = None,
         share_fused_amax: bool = True,
         log_every_n_steps: int = 1,
+        distillation: Any = None,
     ) -> None:
         super().__init__()
         self.controller = QATController(
@@ -75,6 +80,8 @@ class FP4QATCallback(pl.Callback):
         self.calibration_data = calibration_data
         self.module_getter = module_getter
         self.log_every_n_steps = max(1, int(log_every_n_steps))
+        self.distillation = DistillationConfig.resolve_spec(distillation)
+        self.distiller: Distiller | None = None
         self._prepared = False
 
     # --- helpers ------------------------------------------------------------------------------
@@ -88,9 +95,26 @@ class FP4QATCallback(pl.Callback):
         """Insert quantizers per policy, and arrange for a resumed checkpoint to reconfigure them."""
         if self._prepared:
             return
+        if self.distillation is not None:
+            # the teacher is the model as it is now, before any quantizer exists
+            self.distiller = Distiller(self.target_module(pl_module), self.distillation)
+            self._wrap_training_step(pl_module)
+            rank_zero_info(f"nemo_fp4qat: QAD teacher holds {self.distiller.teacher_bytes() / 2**20:.0f} MiB")
         table = self.controller.prepare(self.target_module(pl_module))
         rank_zero_info(f"nemo_fp4qat: policy {self.controller.policy.name!r}\n{table.format_table()}")
         self._prepared = True
+
+    def _wrap_training_step(self, pl_module: pl.LightningModule) -> None:
+        original = pl_module.training_step
+
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            lm = out["loss"] if isinstance(out, dict) else out
+            loss = self.distiller.mix(lm)  # type: ignore[union-attr]
+            pl_module.log_dict({f"qad/{k}": v for k, v in self.distiller.last.items()}, on_step=True, batch_size=1)  # type: ignore[union-attr]
+            return {**out, "loss": loss} if isinstance(out, dict) else loss
+
+        pl_module.training_step = training_step  # type: ignore[method-assign]
 
     def restore_from_checkpoint(self, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> bool:
         """Reconfigure quantizers to a checkpoint's saved state (before Lightning loads its weights)."""

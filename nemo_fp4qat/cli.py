@@ -40,7 +40,8 @@ def _formats(_: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(out_dir=args.out, quick=args.quick)
+    return run_demo(out_dir=args.out, quick=args.quick, steps=args.steps, distill_alpha=args.distill,
+                    schedule=args.schedule, policy=args.policy)  # fmt: skip
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -95,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("demo", help="run the end-to-end FP4 QAT demo on the embedded default")
     d.add_argument("--out", default="runs/demo", help="output directory")
     d.add_argument("--quick", action="store_true", help="a few steps only (smoke test)")
+    d.add_argument("--steps", type=int, help="training steps for the fine-tune and QAT runs")
+    d.add_argument("--distill", type=float, help="QAD: weight of the distillation loss (0..1)")
+    d.add_argument("--schedule", help="precision schedule preset or YAML (default: progressive)")
+    d.add_argument("--policy", help="layer policy preset or YAML (default: default)")
     d.set_defaults(fn=_demo)
     e = sub.add_parser("eval", help="evaluate a model, or check a comparison report against the quality gate")
     e.add_argument("--report", help="report.json written by `demo` (variants to compare)")

@@ -32,6 +32,7 @@ class DemoConfig:
     calib_samples: int = 64
     policy: str = "default"
     schedule: str = "progressive"
+    distill_alpha: float = 0.0  # > 0: quantization-aware distillation from the original model
     seed: int = 0
 
     @classmethod
@@ -82,7 +83,7 @@ def _train(model, data, cfg: DemoConfig, out: Path, callbacks: list, name: str) 
     return losses
 
 
-def run_demo(out_dir: str = "runs/demo", quick: bool = False, cfg: DemoConfig | None = None) -> int:
+def run_demo(out_dir: str = "runs/demo", quick: bool = False, cfg: DemoConfig | None = None, **overrides: Any) -> int:
     import lightning.pytorch as pl
     import torch
     from rich.console import Console
@@ -97,6 +98,9 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, cfg: DemoConfig | 
 
     warnings.filterwarnings("ignore", message="Calibrating on")
     cfg = cfg or (DemoConfig.quick() if quick else DemoConfig())
+    for k, v in overrides.items():
+        if v is not None:
+            setattr(cfg, k, v)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     con = Console()
@@ -135,10 +139,12 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, cfg: DemoConfig | 
     variants["ptq"] = ev(ptq, "PTQ")
     del ptq, ft
 
-    con.print(f"[bold]4/5[/bold] QAT ({cfg.schedule} schedule, same data and steps)")
+    qad = f", distillation alpha {cfg.distill_alpha}" if cfg.distill_alpha > 0 else ""
+    con.print(f"[bold]4/5[/bold] QAT ({cfg.schedule} schedule{qad}, same data and steps)")
     qat_model = copy.deepcopy(base)
+    distill = {"alpha": cfg.distill_alpha} if cfg.distill_alpha > 0 else None
     qat_cb = FP4QATCallback(policy=cfg.policy, schedule=cfg.schedule, calibration=cfg.calib_samples,
-                            calibration_data=calib, forward_fn=lambda m, b: m.net(b))  # fmt: skip
+                            calibration_data=calib, forward_fn=lambda m, b: m.net(b), distillation=distill)  # fmt: skip
     monitor = QuantizationMonitor(every_n_steps=max(1, cfg.steps // 2), out_dir=str(out / "quant_quality"))
     qat_losses = _train(qat_model, train, cfg, out, [qat_cb, monitor], "qat")
     variants["qat"] = ev(qat_model, "QAT")

@@ -1,0 +1,67 @@
+"""Quantization-aware distillation: the loss is the KD term against the unquantized teacher, and
+distilling pulls the quantized student toward the teacher faster than the LM loss alone."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from nemo_fp4qat import DistillationConfig, FP4QATCallback
+from nemo_fp4qat.distillation import kd_loss
+
+from tiny_models import LitLM, MegatronStyleGPT, PatternTokens, loader
+
+
+def _fit(cb, steps=12, lr=3e-3):
+    lit = LitLM(MegatronStyleGPT(seed=7), lr=lr)
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[cb])  # fmt: skip
+    trainer.fit(lit, loader())
+    return lit
+
+
+def test_kd_loss_is_the_temperature_scaled_kl():
+    s, t = torch.randn(2, 3, 11), torch.randn(2, 3, 11)
+    ps, pt = torch.softmax(s.double() / 2, -1), torch.softmax(t.double() / 2, -1)
+    ref = (pt * (pt.log() - ps.log())).sum(-1).mean() * 4
+    assert float(kd_loss(s, t, 2.0)) == pytest.approx(float(ref), rel=1e-5)
+    assert float(kd_loss(t, t)) == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ValueError, match="alpha"):
+        DistillationConfig(alpha=1.5)
+
+
+def test_training_loss_is_kd_against_the_unquantized_teacher():
+    cb = FP4QATCallback(policy="fp_embeddings", calibration=16, distillation={"alpha": 1.0, "temperature": 1.0})
+    seen = []
+
+    class Check(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append((float(outputs["loss"]), cb.distiller.last["kd"]))
+
+    lit = LitLM(MegatronStyleGPT(seed=7))
+    teacher_before = {k: v.clone() for k, v in lit.net.state_dict().items()}
+    pl.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+               enable_model_summary=False, callbacks=[cb, Check()]).fit(lit, loader())  # fmt: skip
+    assert all(loss == pytest.approx(kd) for loss, kd in seen) and seen[0][0] > 0
+    # the teacher is frozen and unquantized: its weights are the model's initial ones
+    tsd = cb.distiller.teacher.net.state_dict()
+    assert all(torch.equal(tsd[k], v) for k, v in teacher_before.items())
+    assert not any("quantizer" in n for n, _ in cb.distiller.teacher.named_modules())
+
+
+def test_distillation_tracks_the_teacher_better_than_plain_qat():
+    held = PatternTokens(32, 32, seed=9).data[:, :-1]
+
+    def kl_to_teacher(cb, lit):
+        teacher = cb.distiller.teacher if cb.distiller else None
+        with torch.no_grad():
+            lit.eval()
+            ref = teacher(held) if teacher is not None else LitLM(MegatronStyleGPT(seed=7))(held)
+            return float(kd_loss(lit(held), ref))
+
+    qad = FP4QATCallback(policy="fp_embeddings", calibration=16, distillation=True)
+    lit_qad = _fit(qad)
+    plain = FP4QATCallback(policy="fp_embeddings", calibration=16)
+    lit_plain = _fit(plain)
+    assert kl_to_teacher(qad, lit_qad) < 0.5 * kl_to_teacher(plain, lit_plain)
