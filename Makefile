@@ -34,7 +34,7 @@ demo: $(CORE)/.demo-stamp
 	$(CORE)/bin/nemo-fp4qat demo
 
 lint: $(CORE)/.stamp
-	$(CORE)/bin/ruff check nemo_fp4qat tests benchmarks examples
+	$(CORE)/bin/ruff check nemo_fp4qat tests benchmarks examples && $(CORE)/bin/ruff format --check nemo_fp4qat tests benchmarks examples
 
 test-core: $(CORE)/.stamp
 	$(CORE)/bin/python -m pytest -q -m "not nemo" tests
