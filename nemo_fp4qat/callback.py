@@ -88,7 +88,11 @@ class FP4QATCallback(pl.Callback):
     def target_module(self, pl_module: pl.LightningModule) -> nn.Module:
         return self.module_getter(pl_module) if self.module_getter else pl_module
 
-    def _has_linears(self, module: nn.Module) -> bool:
+    def _has_linears(self, pl_module: pl.LightningModule) -> bool:
+        try:
+            module = self.target_module(pl_module)
+        except (RuntimeError, AttributeError):  # e.g. NeMo builds its megatron module in configure_model
+            return False
         return any(is_quantizable_linear(m) for m in module.modules())
 
     def prepare(self, trainer: pl.Trainer | None, pl_module: pl.LightningModule) -> None:
@@ -141,7 +145,7 @@ class FP4QATCallback(pl.Callback):
             self.restore_from_checkpoint(pl_module, checkpoint)
 
         pl_module.on_load_checkpoint = on_load_checkpoint_then_restore  # type: ignore[method-assign]
-        if self._has_linears(self.target_module(pl_module)):
+        if self._has_linears(pl_module):
             self.prepare(trainer, pl_module)
             return
         # Layers are created in configure_model: quantize right after it runs.

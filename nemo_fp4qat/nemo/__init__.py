@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .callback import NeMoFP4QATCallback, megatron_module, nemo_gpt_forward
 from .cpu_mode import cpu_mode_active, megatron_cpu_mode
 
-__all__ = ["cpu_mode_active", "megatron_cpu_mode"]
+__all__ = ["NeMoFP4QATCallback", "cpu_mode_active", "megatron_cpu_mode", "megatron_module", "nemo_gpt_forward"]
