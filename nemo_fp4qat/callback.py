@@ -24,7 +24,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn as nn
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from .calibration import collect_batches
 from .controller import QATController
@@ -186,6 +186,22 @@ class FP4QATCallback(pl.Callback):
             metrics = {f"qat/bits_{g}": float(b) for g, b in self.controller.stage_summary().items()}
             if metrics:
                 pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        ctl = self.controller
+        if ctl.table is None:
+            return
+        try:
+            final = ctl.formats_at(10**12)  # where the schedule ends: every layer in its target format
+        except ValueError:  # fractional schedule with an unknown run length
+            return
+        behind = sorted(m for m, f in ctl.current.items() if final.get(m) != f and not ctl.pins)
+        if behind:
+            rank_zero_warn(
+                f"nemo_fp4qat: training ended before the schedule reached the target formats for {len(behind)} "
+                f"modules (e.g. {behind[0]}: {ctl.current[behind[0]]}); the model is not in its deployment "
+                "formats. Train longer or start the last stage earlier."
+            )
 
     def state_dict(self) -> dict[str, Any]:
         return self.controller.state_dict()

@@ -37,7 +37,8 @@ class DemoConfig:
 
     @classmethod
     def quick(cls) -> DemoConfig:
-        return cls(steps=3, eval_windows=2, calib_samples=8, seq_len=64, eval_window=64)
+        # 4 steps: the progressive schedule's last (target) stage starts at step 3
+        return cls(steps=4, eval_windows=2, calib_samples=8, seq_len=64, eval_window=64)
 
 
 def _windows(ids, n: int, seq: int):

@@ -199,3 +199,10 @@ def test_callback_from_yaml_trainer_entry(monkeypatch):
 def test_schedule_not_ending_in_target_is_refused_before_training():
     with pytest.raises(ValueError, match="ends in 'mxfp6_e2m3'"):
         FP4QATCallback(policy="default", schedule={"stages": [{"start": 0, "format": "fp6"}]})
+
+
+def test_warns_when_training_ends_before_the_target_formats():
+    lit = LitLM(MegatronStyleGPT())
+    cb = FP4QATCallback(policy="fp_embeddings", schedule=SCHED, calibration=16)
+    with pytest.warns(UserWarning, match="ended before the schedule reached the target formats"):
+        _trainer([cb], 5).fit(lit, loader())
