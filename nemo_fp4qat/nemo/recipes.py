@@ -1,0 +1,36 @@
+"""Add FP4 QAT to any NeMo 2 recipe (``llm.<model>.finetune_recipe(...)`` / ``pretrain_recipe``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["with_fp4_qat"]
+
+
+def with_fp4_qat(
+    recipe: Any,
+    policy: str | dict = "default",
+    schedule: str | dict = "progressive",
+    calibration: int | dict | None = None,
+    distillation: bool | dict | None = None,
+    monitor: bool | dict = False,
+) -> Any:
+    """Append ``NeMoFP4QATCallback`` (and optionally ``QuantizationMonitor``) to ``recipe.trainer``'s
+    callbacks as ``run.Config`` objects, so the recipe stays serializable for NeMo-Run. Returns the
+    recipe (changed in place)."""
+    import nemo_run as run
+
+    from ..monitor import QuantizationMonitor
+    from .callback import NeMoFP4QATCallback
+
+    trainer = recipe.trainer
+    callbacks = list(trainer.callbacks or [])
+    callbacks.append(
+        run.Config(
+            NeMoFP4QATCallback, policy=policy, schedule=schedule, calibration=calibration, distillation=distillation
+        )
+    )
+    if monitor:
+        callbacks.append(run.Config(QuantizationMonitor, **(monitor if isinstance(monitor, dict) else {})))
+    trainer.callbacks = callbacks
+    return recipe

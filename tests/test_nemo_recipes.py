@@ -1,0 +1,28 @@
+"""A NeMo 2 recipe with ``with_fp4_qat`` builds (fiddle) into a trainer carrying the callback."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.nemo
+
+
+def test_recipe_gets_the_callback_and_builds(tmp_path):
+    pytest.importorskip("nemo.collections.llm")
+    import fiddle as fdl
+    from nemo.collections import llm
+
+    from nemo_fp4qat import QuantizationMonitor
+    from nemo_fp4qat.nemo import NeMoFP4QATCallback, with_fp4_qat
+
+    recipe = llm.llama32_1b.finetune_recipe(name="qat", dir=str(tmp_path), num_nodes=1, num_gpus_per_node=1,
+                                            peft_scheme=None)  # fmt: skip
+    before = len(recipe.trainer.callbacks or [])
+    with_fp4_qat(recipe, policy="trtllm_mixed", schedule="direct", calibration=128, monitor={"every_n_steps": 25})
+    assert len(recipe.trainer.callbacks) == before + 2
+    recipe.trainer.accelerator = "cpu"  # recipes default to GPUs; this machine has none
+    trainer = fdl.build(recipe.trainer)
+    qat = [c for c in trainer.callbacks if isinstance(c, NeMoFP4QATCallback)]
+    mon = [c for c in trainer.callbacks if isinstance(c, QuantizationMonitor)]
+    assert len(qat) == 1 and len(mon) == 1 and mon[0].every_n_steps == 25
+    assert qat[0].controller.policy.name == "trtllm_mixed" and qat[0].controller.calibration.num_samples == 128
