@@ -98,15 +98,6 @@ class QATController:
         mtq.quantize(model, cfg, forward_loop=None)
         return table
 
-    def restore(self, model: nn.Module, modelopt_state: dict[str, Any], state: dict[str, Any]) -> None:
-        """Rebuild quantizers from a checkpoint (before its weights/amax are loaded)."""
-        import modelopt.torch.opt as mto
-
-        self.resolve(model)
-        mto.restore_from_modelopt_state(model, modelopt_state)
-        self.load_state_dict(state)
-        self.attach(model)
-
     def sync_to_checkpoint(self, root: nn.Module, state: dict[str, Any], model_state_dict: dict[str, Any]) -> None:
         """Make already-inserted quantizers match a checkpoint before its tensors are loaded.
 

@@ -251,11 +251,6 @@ _ALL: tuple[QuantFormat, ...] = (
 FORMATS: dict[str, QuantFormat] = {f.name: f for f in _ALL}
 _ALIASES: dict[str, str] = {a: f.name for f in _ALL for a in f.aliases}
 
-# KV-cache formats are not linear-layer formats; they are recorded for export (issue: export).
-KV_CACHE_FORMATS: dict[str, dict[str, Any]] = {
-    "fp8": {"num_bits": (4, 3), "axis": None, "enable": True},
-}
-
 
 def get_format(name: str | QuantFormat) -> QuantFormat:
     """Look a format up by name or alias (case-insensitive).
