@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .policy import is_quantizer
+
 __all__ = [
     "CalibrationConfig",
     "collect_batches",
@@ -163,7 +165,7 @@ def sync_amax_across_ranks(model: nn.Module) -> int:
     n = 0
     for _, module in sorted(model.named_modules(), key=lambda kv: kv[0]):
         amax = getattr(module, "_amax", None)
-        if isinstance(amax, torch.Tensor) and type(module).__name__.endswith("Quantizer"):
+        if isinstance(amax, torch.Tensor) and is_quantizer(module):
             buf = amax.detach().clone()
             dist.all_reduce(buf, op=dist.ReduceOp.MAX)
             amax.data.copy_(buf)

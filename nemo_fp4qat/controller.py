@@ -20,7 +20,7 @@ from .calibration import CalibrationConfig, default_forward, run_calibration, sy
 from .formats import QuantFormat, get_format
 from .fused_siblings import find_fused_siblings, share_fused_amax
 from .modelopt_compat import apply_quant_cfg, build_quant_cfg, calibration_algorithm
-from .policy import LayerPolicy, PolicyTable, element_bits
+from .policy import LayerPolicy, PolicyTable, element_bits, is_quantizer
 from .schedule import PrecisionSchedule, effective_format
 
 __all__ = ["QATController"]
@@ -122,7 +122,7 @@ class QATController:
         for key, value in model_state_dict.items():
             mod_name, _, attr = key.rpartition(".")
             q = modules.get(mod_name)
-            if q is None or not type(q).__name__.endswith("Quantizer") or not attr.startswith("_"):
+            if q is None or not is_quantizer(q) or not attr.startswith("_"):
                 continue
             if not isinstance(getattr(q, attr, None), torch.Tensor):
                 q.register_buffer(attr, torch.empty_like(value))
@@ -161,16 +161,16 @@ class QATController:
         keep = set(modules)
         saved = {}
         for name, q in model.named_modules():
-            if type(q).__name__.endswith("Quantizer") and name.rsplit(".", 1)[0] not in keep:
+            if not is_quantizer(q):
+                continue
+            if name.rsplit(".", 1)[0] not in keep:
                 amax = getattr(q, "_amax", None)
                 if isinstance(amax, torch.Tensor):
                     saved[name] = amax.detach().clone()
-        for name, q in model.named_modules():
-            calib = getattr(q, "_calibrator", None)
-            if name.rsplit(".", 1)[0] in keep and calib is not None and hasattr(calib, "reset"):
+            elif hasattr(getattr(q, "_calibrator", None), "reset"):
                 # modelopt 0.37's MaxCalibrator keeps its running max across calibrate() calls: without
                 # a reset the new amax would be max(old data, new data), and differ after a resume.
-                calib.reset()
+                q._calibrator.reset()
         run_calibration(model, self.calib_batches, "max", self.forward_fn)
         mods = dict(model.named_modules())
         for name, amax in saved.items():

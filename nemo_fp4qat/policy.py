@@ -27,6 +27,7 @@ __all__ = [
     "PolicyTable",
     "element_bits",
     "is_quantizable_linear",
+    "is_quantizer",
 ]
 
 # Linear layer classes modelopt quantizes, by class name so megatron-core/TE need not be imported.
@@ -268,7 +269,7 @@ class LayerPolicy:
         hits = [0] * len(self.rules)
         names: list[str] = []
         for name, module in model.named_modules():
-            if not name or _is_quantizer(module):
+            if not name or is_quantizer(module):
                 continue
             names.append(name)
             quantizable = is_quantizable_linear(module)
@@ -309,7 +310,8 @@ def element_bits(fmt: QuantFormat) -> int:
     return 1 + int(fmt.element[0]) + int(fmt.element[1])
 
 
-def _is_quantizer(module: nn.Module) -> bool:
+def is_quantizer(module: nn.Module) -> bool:
+    """A modelopt quantizer module (TensorQuantizer, SequentialQuantizer ...), by class name."""
     return type(module).__name__.endswith("Quantizer")
 
 
