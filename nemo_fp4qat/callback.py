@@ -55,6 +55,10 @@ class FP4QATCallback(pl.Callback):
         distillation: quantization-aware distillation: ``True``, a dict or a
             :class:`DistillationConfig` (alpha, temperature). A frozen copy of the model taken before
             quantization is the teacher; the training loss becomes the KD/LM mix.
+        export_dir: when set, export the trained model there at the end of training (rank 0), through
+            :func:`nemo_fp4qat.export.export_checkpoint` (validated, atomic).
+        export: :class:`~nemo_fp4qat.export.ExportConfig` or dict (kind ``"hf"``/``"trtllm"``,
+            runtime, tensor_parallel ...); default: a unified HF checkpoint for TensorRT-LLM.
     """
 
     def __init__(
@@ -68,8 +72,12 @@ class FP4QATCallback(pl.Callback):
         share_fused_amax: bool = True,
         log_every_n_steps: int = 1,
         distillation: Any = None,
+        export_dir: str | None = None,
+        export: Any = None,
     ) -> None:
         super().__init__()
+        self.export_dir = export_dir
+        self.export = export
         self.controller = QATController(
             policy=policy,
             schedule=schedule,
@@ -202,6 +210,22 @@ class FP4QATCallback(pl.Callback):
                 f"modules (e.g. {behind[0]}: {ctl.current[behind[0]]}); the model is not in its deployment "
                 "formats. Train longer or start the last stage earlier."
             )
+        if self.export_dir and trainer.is_global_zero:
+            self.export_model(pl_module, self.export_dir)
+
+    def export_model(self, pl_module: pl.LightningModule, out_dir: str) -> Any:
+        """Export the quantized module (see ``export_dir``); returns the export directory."""
+        from .export import export_checkpoint
+
+        kind = (
+            "trtllm" if self.export is None and not hasattr(self.target_module(pl_module), "save_pretrained") else None
+        )
+        cfg = self.export if self.export is not None else {"kind": kind or "hf"}
+        path = export_checkpoint(
+            self.target_module(pl_module), out_dir, cfg, tokenizer=getattr(pl_module, "tokenizer", None)
+        )
+        rank_zero_info(f"nemo_fp4qat: exported to {path}")
+        return path
 
     def state_dict(self) -> dict[str, Any]:
         return self.controller.state_dict()

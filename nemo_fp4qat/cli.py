@@ -1,4 +1,4 @@
-"""The ``nemo-fp4qat`` command line: ``demo``, ``eval`` (with the quality gate), ``formats``."""
+"""The ``nemo-fp4qat`` command line: ``demo``, ``eval`` (quality gate), ``formats``, ``export``, ``validate``."""
 
 from __future__ import annotations
 
@@ -90,6 +90,45 @@ def _eval(args: argparse.Namespace) -> int:
     return 1
 
 
+def _export(args: argparse.Namespace) -> int:
+    import modelopt.torch.opt as mto
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .export import ExportConfig, ExportRefused, ExportValidationError, export_checkpoint
+
+    try:
+        cfg = ExportConfig(kind=args.kind, runtime=args.runtime, tensor_parallel=args.tp, dtype=args.dtype,
+                           overwrite=args.overwrite, decoder_type=args.decoder_type)  # fmt: skip
+    except ValueError as e:
+        print(f"nemo-fp4qat export: {e}", file=sys.stderr)
+        return 2
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto")
+    mto.restore(model, args.modelopt_state)  # quantizers, formats and amax as trained
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    try:
+        path = export_checkpoint(model, args.out, cfg, tokenizer=tokenizer)
+    except (ExportRefused, ExportValidationError, FileExistsError) as e:
+        print(f"nemo-fp4qat export: {e}", file=sys.stderr)
+        return 2 if not isinstance(e, ExportValidationError) else 1
+    print((path / "validation.json").read_text() if (path / "validation.json").exists() else path)
+    print(f"exported to {path}; build plan: {path / 'build_engine.sh'}")
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    import json
+
+    from .export import validate_export
+
+    try:
+        report = validate_export(args.dir, runtime=args.runtime)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"nemo-fp4qat validate: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
+    return 0 if report.ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="nemo-fp4qat", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -116,6 +155,22 @@ def main(argv: list[str] | None = None) -> int:
     e.set_defaults(fn=_eval)
     f = sub.add_parser("formats", help="list the supported quantization formats")
     f.set_defaults(fn=_formats)
+    x = sub.add_parser("export", help="export a QAT-trained Hugging Face model (unified HF or TRT-LLM checkpoint)")
+    x.add_argument("--model", required=True, help="the Hugging Face model directory the QAT run started from")
+    x.add_argument("--modelopt-state", required=True, help="mto.save() file of the trained model (demo: qat_model.pth)")
+    x.add_argument("--out", required=True, help="export directory (written atomically)")
+    x.add_argument("--kind", default="hf", choices=["hf", "trtllm"])
+    x.add_argument("--runtime", default="trtllm", choices=["trtllm", "pytorch"])
+    x.add_argument("--tp", type=int, default=1, help="inference tensor parallelism (--kind trtllm)")
+    x.add_argument("--dtype", default=None, help="dtype of unquantized tensors (default: the model's)")
+    x.add_argument("--decoder-type", default=None, help="modelopt decoder type for --kind trtllm (inferred)")
+    x.add_argument("--overwrite", action="store_true")
+    x.set_defaults(fn=_export)
+    v = sub.add_parser("validate", help="check an exported checkpoint the way a runtime would")
+    v.add_argument("dir")
+    v.add_argument("--runtime", default="trtllm", choices=["trtllm", "pytorch"])
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(fn=_validate)
     args = p.parse_args(argv)
     return int(args.fn(args) or 0)
 

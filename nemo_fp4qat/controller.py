@@ -94,7 +94,7 @@ class QATController:
 
         table = self.resolve(model)
         self.current = self.formats_at(0)
-        cfg = build_quant_cfg(self._assignment(self.current), algorithm=None)
+        cfg = build_quant_cfg(self._assignment(self.current), algorithm=None, extra=self.policy.kv_cache_entries())
         mtq.quantize(model, cfg, forward_loop=None)
         return table
 
@@ -106,7 +106,7 @@ class QATController:
         ``load_state_dict`` of ``model_state_dict`` (keys relative to ``root``) then succeeds.
         """
         self.load_state_dict(state)
-        cfg = build_quant_cfg(self._assignment(self.current), algorithm=None)
+        cfg = build_quant_cfg(self._assignment(self.current), algorithm=None, extra=self.policy.kv_cache_entries())
         modules = dict(root.named_modules())
         # the quantized module may be a submodule of root: find the prefix of the policy's names
         first = next(iter(self.current), None)
@@ -137,7 +137,8 @@ class QATController:
         algo = self.calibration.algorithm
         if algo == "auto":
             fmts = [get_format(f) for pair in self.current.values() for f in pair]
-            return calibration_algorithm(fmts)
+            # the KV-cache quantizers need their amax even while the linears are still in BF16
+            return calibration_algorithm(fmts) or ("max" if self.policy.kv_cache else None)
         return algo
 
     def calibrate(self, model: nn.Module, batches: list[Any] | None = None) -> None:

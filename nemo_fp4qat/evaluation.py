@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .formats import FORMATS, FULL_PRECISION, QuantFormat
+from .formats import format_of_quantizer
 
 __all__ = [
     "EvalResult",
@@ -117,25 +117,6 @@ def multiple_choice_accuracy(model: nn.Module, tokenizer: Any, tasks: Iterable[d
     return {"acc": correct / max(1, n), "acc_norm": correct_norm / max(1, n), "n": n}
 
 
-def _format_of(quantizer: Any) -> QuantFormat:
-    """The registered format a (weight) quantizer is configured as; full precision if disabled."""
-    if quantizer is None or not quantizer.is_enabled:
-        return FULL_PRECISION
-
-    def norm(v: Any) -> Any:  # modelopt may hand back lists where the config had tuples
-        return tuple(v) if isinstance(v, (list, tuple)) else v
-
-    bs = dict(quantizer.block_sizes or {})
-    for f in FORMATS.values():
-        cfg = f.weight_cfg
-        if not cfg or norm(cfg["num_bits"]) != norm(quantizer.num_bits):
-            continue
-        fbs = cfg.get("block_sizes") or {}
-        if fbs.get(-1) == bs.get(-1) and norm(fbs.get("scale_bits")) == norm(bs.get("scale_bits")):
-            return f
-    raise ValueError(f"Weight quantizer {quantizer} matches no registered format; add it to formats.py.")
-
-
 def quantized_weight_memory(model: nn.Module) -> dict[str, float]:
     """Bytes of all parameters when linear weights are stored in their quantized format (scales
     included) and everything else in bf16; ``ratio_vs_bf16`` compares with an all-bf16 model."""
@@ -148,7 +129,7 @@ def quantized_weight_memory(model: nn.Module) -> dict[str, float]:
         q = getattr(m, "weight_quantizer", None)
         if isinstance(w, torch.Tensor) and q is not None and id(w) not in handled:
             handled.add(id(w))
-            fmt = _format_of(q)
+            fmt = format_of_quantizer(q)
             total_bf16 += w.numel() * 2
             total_q += fmt.weight_bytes(w.numel()) if not fmt.is_full_precision else w.numel() * 2
             bits_hist[fmt.name] = bits_hist.get(fmt.name, 0) + w.numel()

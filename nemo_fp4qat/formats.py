@@ -17,6 +17,7 @@ __all__ = [
     "FORMATS",
     "FULL_PRECISION",
     "QuantFormat",
+    "format_of_quantizer",
     "get_format",
     "list_formats",
 ]
@@ -270,6 +271,25 @@ def get_format(name: str | QuantFormat) -> QuantFormat:
     close = difflib.get_close_matches(key, known, n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     raise ValueError(f"Unknown quantization format {name!r}.{hint} Known formats: {', '.join(known)}.")
+
+
+def format_of_quantizer(quantizer: Any) -> QuantFormat:
+    """The registered format a (weight) quantizer is configured as; full precision if disabled."""
+    if quantizer is None or not quantizer.is_enabled:
+        return FULL_PRECISION
+
+    def norm(v: Any) -> Any:  # modelopt may hand back lists where the config had tuples
+        return tuple(v) if isinstance(v, (list, tuple)) else v
+
+    bs = dict(quantizer.block_sizes or {})
+    for f in FORMATS.values():
+        cfg = f.weight_cfg
+        if not cfg or norm(cfg["num_bits"]) != norm(quantizer.num_bits):
+            continue
+        fbs = cfg.get("block_sizes") or {}
+        if fbs.get(-1) == bs.get(-1) and norm(fbs.get("scale_bits")) == norm(bs.get("scale_bits")):
+            return f
+    raise ValueError(f"Weight quantizer {quantizer} matches no registered format; add it to formats.py.")
 
 
 def list_formats() -> list[QuantFormat]:

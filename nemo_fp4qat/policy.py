@@ -19,6 +19,9 @@ import torch.nn as nn
 
 from .formats import FULL_PRECISION, QuantFormat, get_format
 
+# KV-cache formats a policy may request (TensorRT-LLM deploys FP8 KV caches from calibrated scales).
+KV_CACHE_FORMATS = frozenset({"fp8"})
+
 __all__ = [
     "POLICY_PRESETS",
     "LayerPolicy",
@@ -189,11 +192,14 @@ class LayerPolicy:
         rules: :class:`PolicyRule` objects or dicts with the same fields.
         default: format for quantizable linear layers no rule matches (``None``: full precision).
         name: a label for logs and reports.
+        kv_cache: ``"fp8"`` quantizes the attention K/V (calibrated scales, exported as the
+            checkpoint's ``kv_cache_quant_algo``); ``None`` keeps the KV cache in full precision.
     """
 
     rules: list[PolicyRule] = field(default_factory=list)
     default: str | None = "nvfp4"
     name: str = "custom"
+    kv_cache: str | None = None
 
     def __post_init__(self) -> None:
         rules = []
@@ -212,6 +218,12 @@ class LayerPolicy:
                 raise TypeError(f"Policy rule {i} must be a PolicyRule or a dict, got {type(r).__name__}")
         self.rules = rules
         self.default = _canonical(self.default)
+        if self.kv_cache is not None and str(self.kv_cache).lower() not in KV_CACHE_FORMATS:
+            raise ValueError(
+                f"kv_cache={self.kv_cache!r} is not supported; use one of {sorted(KV_CACHE_FORMATS)} or null "
+                "(TensorRT-LLM deploys an FP8 KV cache from calibrated k/v scales)."
+            )
+        self.kv_cache = None if self.kv_cache is None else str(self.kv_cache).lower()
 
     # --- construction -------------------------------------------------------------------------
     @classmethod
@@ -247,7 +259,15 @@ class LayerPolicy:
         raise ValueError(f"Policy {spec!r} is neither a preset ({', '.join(POLICY_PRESETS)}) nor a YAML file.")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "default": self.default, "rules": [asdict(r) for r in self.rules]}
+        return {"name": self.name, "default": self.default, "kv_cache": self.kv_cache,
+                "rules": [asdict(r) for r in self.rules]}  # fmt: skip
+
+    def kv_cache_entries(self) -> list[tuple[str, dict[str, Any]]]:
+        """modelopt quantizer entries for the KV cache (the k/v BMM quantizers of attention)."""
+        if self.kv_cache is None:
+            return []
+        cfg = get_format(self.kv_cache).quantizer_cfg("input")
+        return [("*k_bmm_quantizer", cfg), ("*v_bmm_quantizer", cfg)]
 
     # --- queries ------------------------------------------------------------------------------
     @property

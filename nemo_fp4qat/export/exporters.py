@@ -1,0 +1,207 @@
+"""Export a QAT-trained model through modelopt's exporters, atomically and validated.
+
+Two checkpoint kinds:
+
+- ``"hf"``: the unified Hugging Face checkpoint (``hf_quant_config.json`` + ``config.json
+  ["quantization_config"]``) that TensorRT-LLM's LLM API, vLLM and SGLang load
+  (``modelopt.torch.export.export_hf_checkpoint``; Hugging Face models).
+- ``"trtllm"``: the TensorRT-LLM checkpoint NeMo calls "qnemo" (``config.json`` +
+  ``rank{N}.safetensors`` + tokenizer), what NeMo's ``TensorRTLLM.export`` builds engines from
+  (``modelopt.torch.export.export_tensorrt_llm_checkpoint``; megatron-core and HF models;
+  tensor-parallel splitting for any ``tensor_parallel``).
+
+Order of work: :func:`preflight` refuses what a runtime would reject (nothing written); modelopt
+writes into a scratch directory; the plugin's validator re-reads what was written and compares it
+with the trained model's fake-quantized weights; only then does the directory appear.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..cpu_shims import modelopt_export_on_cpu
+from .atomic import atomic_directory, write_manifest
+from .engine_plan import EnginePlan, write_engine_plan
+from .runtime_support import RUNTIMES, preflight
+
+__all__ = ["EXPORT_KINDS", "ExportConfig", "ExportValidationError", "export_checkpoint"]
+
+log = logging.getLogger("nemo_fp4qat")
+EXPORT_KINDS = ("hf", "trtllm")
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class ExportValidationError(RuntimeError):
+    """The written checkpoint failed validation; the scratch directory was removed."""
+
+
+@dataclass
+class ExportConfig:
+    """What to export and for which runtime.
+
+    Args:
+        kind: ``"hf"`` (unified HF checkpoint) or ``"trtllm"`` (TensorRT-LLM / qnemo checkpoint).
+        runtime: ``"trtllm"`` refuses formats TensorRT-LLM has no kernel for; ``"pytorch"`` allows
+            anything modelopt exports (this plugin's server unpacks it).
+        tensor_parallel: inference tensor-parallel size (``"trtllm"`` kind only).
+        dtype: dtype of the unquantized tensors (embeddings, norms, lm_head); None keeps the model's.
+            modelopt casts before packing, so a dtype other than the training dtype changes rounding
+            (validation then reports the FP4 codes that moved).
+        decoder_type: modelopt decoder type for ``"trtllm"`` (``"llama"``, ``"gpt"`` ...); inferred if None.
+        overwrite: replace an existing directory (only once the new export is complete).
+        validate: re-read and check the written checkpoint against the model before publishing it.
+        plan: :class:`EnginePlan` (or dict) for the build plan written beside the checkpoint.
+    """
+
+    kind: str = "hf"
+    runtime: str = "trtllm"
+    tensor_parallel: int = 1
+    dtype: str | None = None
+    decoder_type: str | None = None
+    overwrite: bool = False
+    validate: bool = True
+    plan: Any = field(default=None)
+
+    def __post_init__(self) -> None:
+        if self.kind not in EXPORT_KINDS:
+            raise ValueError(
+                f"Unknown export kind {self.kind!r}; use 'hf' (unified Hugging Face checkpoint for TRT-LLM's LLM API, "
+                "vLLM, SGLang) or 'trtllm' (TensorRT-LLM checkpoint, NeMo's qnemo)."
+            )
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"Unknown runtime {self.runtime!r}; choose one of {', '.join(RUNTIMES)}.")
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise ValueError(f"Unknown dtype {self.dtype!r}; choose one of {', '.join(_DTYPES)}.")
+        if self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
+        if self.kind == "hf" and self.tensor_parallel != 1:
+            raise ValueError(
+                "A unified HF checkpoint is not split by tensor parallelism (the runtime shards it at load time); "
+                "set tensor_parallel=1 or use kind='trtllm'."
+            )
+        self.plan = EnginePlan.resolve_spec(self.plan)
+
+
+def _dtype(model: nn.Module, cfg: ExportConfig) -> torch.dtype:
+    if cfg.dtype is not None:
+        return _DTYPES[cfg.dtype]
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def _is_hf_model(model: nn.Module) -> bool:
+    return hasattr(model, "config") and hasattr(model.config, "model_type") and hasattr(model, "save_pretrained")
+
+
+def _decoder_type(model: nn.Module, given: str | None) -> str:
+    if given:
+        return given
+    if _is_hf_model(model):
+        return str(model.config.model_type)
+    cfg = getattr(model, "config", None)
+    if cfg is not None and getattr(cfg, "gated_linear_unit", False) and getattr(cfg, "normalization", "") == "RMSNorm":
+        return "llama"
+    return "gpt"
+
+
+def _export_hf(model: nn.Module, out: Path, cfg: ExportConfig) -> None:
+    from modelopt.torch.export import export_hf_checkpoint
+
+    if not _is_hf_model(model):
+        raise ValueError(
+            f"kind='hf' exports Hugging Face models; {type(model).__name__} is not one. For NeMo / megatron-core "
+            "models use kind='trtllm' (qnemo), which NeMo's TensorRTLLM exporter builds engines from."
+        )
+    # modelopt's HF exporter replaces the weights of the model it is given with packed ones: export a copy
+    # so the trained model stays usable (the training run may go on, or be evaluated after export).
+    work = copy.deepcopy(model)
+    _ensure_architectures(work)
+    with modelopt_export_on_cpu(), torch.inference_mode():
+        export_hf_checkpoint(work, dtype=_dtype(model, cfg), export_dir=str(out))
+    del work
+
+
+def _ensure_architectures(model: nn.Module) -> None:
+    # modelopt's exporters read config.architectures[0]; HF models built from a config lack it
+    if _is_hf_model(model) and not getattr(model.config, "architectures", None):
+        model.config.architectures = [type(model).__name__]
+
+
+def _export_trtllm(model: nn.Module, out: Path, cfg: ExportConfig) -> None:
+    from modelopt.torch.export import export_tensorrt_llm_checkpoint
+
+    _ensure_architectures(model)
+    with modelopt_export_on_cpu(), torch.inference_mode():
+        export_tensorrt_llm_checkpoint(
+            model,
+            decoder_type=_decoder_type(model, cfg.decoder_type),
+            dtype=_dtype(model, cfg),
+            export_dir=str(out),
+            inference_tensor_parallel=cfg.tensor_parallel,
+        )
+
+
+def _save_tokenizer(tokenizer: Any, out: Path, kind: str, nemo_context: str | Path | None) -> None:
+    if nemo_context is not None:
+        import shutil
+
+        # NeMo's qnemo loader rebuilds the tokenizer from the model context (same as llm.ptq does).
+        shutil.copytree(nemo_context, out / "nemo_context", dirs_exist_ok=True)
+    if tokenizer is None:
+        return
+    inner = getattr(tokenizer, "tokenizer", tokenizer)  # NeMo's AutoTokenizer wraps the HF one
+    if hasattr(inner, "save_pretrained"):
+        # unified HF: beside the weights; qnemo: nemo.export looks in "tokenizer/"
+        inner.save_pretrained(str(out if kind == "hf" else out / "tokenizer"))
+
+
+def export_checkpoint(
+    model: nn.Module,
+    out_dir: str | Path,
+    config: ExportConfig | dict[str, Any] | None = None,
+    tokenizer: Any = None,
+    nemo_context: str | Path | None = None,
+) -> Path:
+    """Export ``model`` (with modelopt quantizers) to ``out_dir``; returns the directory.
+
+    Raises :class:`~nemo_fp4qat.export.ExportRefused` before writing anything when the runtime
+    would reject the model, and :class:`ExportValidationError` (nothing published) when the
+    written checkpoint does not match the model.
+    """
+    cfg = config if isinstance(config, ExportConfig) else ExportConfig(**dict(config or {}))
+    out = Path(out_dir)
+    layers = preflight(model, cfg.runtime, cfg.tensor_parallel)
+    with atomic_directory(out, overwrite=cfg.overwrite) as tmp:
+        if cfg.kind == "hf":
+            _export_hf(model, tmp, cfg)
+        else:
+            _export_trtllm(model, tmp, cfg)
+        _save_tokenizer(tokenizer, tmp, cfg.kind, nemo_context)
+        formats = sorted({lf.weight.name for lf in layers})
+        info = {"final_dir": str(out.resolve()), "formats": formats, "runtime": cfg.runtime}
+        write_engine_plan(tmp, cfg.plan, cfg.kind, cfg.tensor_parallel, info)
+        if cfg.validate:
+            from .validate import validate_export
+
+            report = validate_export(tmp, model=model, runtime=cfg.runtime, require_manifest=False)
+            if not report.ok:
+                raise ExportValidationError(
+                    f"The export to {out} failed validation; nothing was published:\n{report.format()}"
+                )
+            (tmp / "validation.json").write_text(json.dumps(report.to_dict(), indent=2))
+        import modelopt
+
+        write_manifest(
+            tmp,
+            {"kind": cfg.kind, "tensor_parallel": cfg.tensor_parallel, "runtime": cfg.runtime, "formats": formats,
+             "modelopt": modelopt.__version__, "producer": "nemo_fp4qat"},
+        )  # fmt: skip
+    log.info("Exported %s checkpoint (%s) to %s", cfg.kind, ", ".join(formats), out)
+    return out

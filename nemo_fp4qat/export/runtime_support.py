@@ -1,0 +1,129 @@
+"""What the deployment runtimes accept, and the checks that refuse an export before it is written.
+
+The accepted ``quant_algo`` values are TensorRT-LLM's ``QuantAlgo`` enum
+(``tensorrt_llm/quantization/mode.py``, TRT-LLM 1.2) and ``KV_CACHE_QUANT_ALGO_LIST``; TensorRT-LLM
+cannot be installed on CPU machines, so the lists are written down here (and checked by
+``nemo-fp4qat validate``) instead of imported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from ..formats import QuantFormat, format_of_quantizer
+from ..policy import is_quantizer
+
+__all__ = [
+    "RUNTIMES",
+    "TRTLLM_KV_CACHE_QUANT_ALGOS",
+    "TRTLLM_QUANT_ALGOS",
+    "ExportRefused",
+    "LayerFormat",
+    "preflight",
+    "quantized_layers",
+]
+
+TRTLLM_QUANT_ALGOS = frozenset(
+    {
+        "W8A16", "W4A16", "W4A16_AWQ", "W4A8_AWQ", "W8A16_GPTQ", "W4A16_GPTQ", "W8A8_SQ_PER_CHANNEL",
+        "W8A8_SQ_PER_TENSOR_PLUGIN", "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN",
+        "W8A8_SQ_PER_CHANNEL_PER_TENSOR_PLUGIN", "W8A8_SQ_PER_TENSOR_PER_TOKEN_PLUGIN",
+        "W4A8_QSERVE_PER_GROUP", "W4A8_QSERVE_PER_CHANNEL", "FP8", "FP8_PER_CHANNEL_PER_TOKEN",
+        "FP8_BLOCK_SCALES", "MIXED_PRECISION", "NVFP4", "W4A8_NVFP4_FP8", "W4A8_MXFP4_FP8",
+        "W4A8_MXFP4_MXFP8", "W4A16_MXFP4", "NO_QUANT",
+    }
+)  # fmt: skip
+TRTLLM_KV_CACHE_QUANT_ALGOS = frozenset({"FP8", "INT8", "NVFP4"})
+
+# "trtllm": TensorRT-LLM (engine build or LLM API) must accept every layer.
+# "pytorch": this plugin's own CPU/PyTorch server, which unpacks whatever modelopt can export.
+RUNTIMES = ("trtllm", "pytorch")
+
+
+class ExportRefused(ValueError):
+    """An export a runtime would reject; raised before anything is written."""
+
+
+@dataclass(frozen=True)
+class LayerFormat:
+    module: str
+    weight: QuantFormat
+    in_features: int
+    out_features: int
+
+
+def quantized_layers(model: nn.Module) -> list[LayerFormat]:
+    """Every linear whose weight quantizer is enabled, with the format it is in now."""
+    out = []
+    for name, mod in model.named_modules():
+        wq = getattr(mod, "weight_quantizer", None)
+        if wq is None or not is_quantizer(wq) or not wq.is_enabled:
+            continue
+        w = getattr(mod, "weight", None)
+        if w is None or w.dim() != 2:
+            continue
+        out.append(LayerFormat(name, format_of_quantizer(wq), w.shape[1], w.shape[0]))
+    return out
+
+
+def preflight(model: nn.Module, runtime: str = "trtllm", tensor_parallel: int = 1) -> list[LayerFormat]:
+    """Refuse (``ExportRefused``) what modelopt cannot export or ``runtime`` would reject.
+
+    Checks, per quantized linear: the format has an exporter (MXFP6 has none); the runtime has a
+    kernel for it (TensorRT-LLM has none for dense MXFP4 / MXFP8); block sizes divide
+    ``in_features`` (INT4 AWQ: 128; NVFP4: 16) including after tensor-parallel splitting; weight
+    quantizers are calibrated. Returns the layer formats when everything passes.
+    """
+    if runtime not in RUNTIMES:
+        raise ValueError(f"Unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}.")
+    layers = quantized_layers(model)
+    if not layers:
+        raise ExportRefused(
+            "The model has no enabled quantizers: nothing to export as a quantized checkpoint. Insert quantizers "
+            "first (FP4QATCallback / QATController.prepare) or export the full-precision model with its own tools."
+        )
+    problems: list[str] = []
+    modules = dict(model.named_modules())
+    from ..modelopt_compat import uses_list_config
+
+    old_modelopt = not uses_list_config()
+    for lf in layers:
+        f = lf.weight
+        if f.name.startswith("mxfp6") or f.name == "fp6":
+            problems.append(
+                f"{lf.module}: weights are {f.name}; modelopt has no MXFP6 exporter. Train to the target format "
+                "(the schedule's last stage) before exporting."
+            )
+            continue
+        iq = getattr(modules[lf.module], "input_quantizer", None)
+        weight_only_int8 = f.element == ("int", 8) and (iq is None or not iq.is_enabled)
+        if weight_only_int8 and old_modelopt:
+            problems.append(
+                f"{lf.module}: INT8 weight-only; modelopt < 0.40 labels it W8A8_SQ_PER_CHANNEL without input scales "
+                "(a checkpoint TensorRT-LLM cannot load). Export with modelopt >= 0.40, or train int8_sq."
+            )
+            continue
+        if runtime == "trtllm" and f.trtllm_quant_algo is None:
+            problems.append(
+                f"{lf.module}: weights are {f.name}, which TensorRT-LLM has no kernel for (no QuantAlgo). Use a "
+                "policy TensorRT-LLM deploys (e.g. 'trtllm_mixed': FP8 attention, NVFP4 MLP) or export with "
+                "runtime='pytorch' (--runtime pytorch) for this plugin's own server."
+            )
+        if f.block_size:
+            per_rank = lf.in_features // tensor_parallel
+            if lf.in_features % f.block_size or (tensor_parallel > 1 and per_rank % f.block_size):
+                problems.append(
+                    f"{lf.module}: in_features={lf.in_features} (per tensor-parallel rank {per_rank}) is not divisible "
+                    f"by the {f.name} block size {f.block_size}; exclude this layer in the policy or pick a format "
+                    "whose block divides it."
+                )
+        if f.element == ("int", 4) and lf.out_features % 2:
+            problems.append(f"{lf.module}: out_features={lf.out_features} must be even to pack INT4 pairs.")
+        wq = modules[lf.module].weight_quantizer
+        if f.needs_amax and getattr(wq, "_amax", None) is None:
+            problems.append(f"{lf.module}: weight quantizer has no amax; calibrate before exporting.")
+    if problems:
+        raise ExportRefused("Export refused, nothing was written:\n  - " + "\n  - ".join(problems))
+    return layers

@@ -1,0 +1,64 @@
+"""qnemo (TensorRT-LLM checkpoint) export of a real megatron-core GPTModel, TP 1 and 2; NeMo's own
+``is_qnemo_checkpoint`` accepts it and every exported code equals the trained one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from nemo_fp4qat import QATController
+from nemo_fp4qat.export import ExportConfig, export_checkpoint, validate_export
+
+pytestmark = pytest.mark.nemo
+
+
+@pytest.fixture(scope="module")
+def trained_gpt():
+    pytest.importorskip("megatron.core")
+    from nemo_fp4qat.nemo import megatron_cpu_mode
+
+    from megatron_utils import gpt_inputs, init_single_process_parallel, tiny_gpt
+
+    init_single_process_parallel()
+    with megatron_cpu_mode():
+        model = tiny_gpt(hidden=128)
+        ctl = QATController(policy="trtllm_mixed", schedule="direct", calibration=4,
+                            forward_fn=lambda m, b: m(*gpt_inputs(b)))  # fmt: skip
+        ctl.prepare(model)
+        g = torch.Generator().manual_seed(0)
+        ctl.calibrate(model, [torch.randint(0, 96, (2, 16), generator=g) for _ in range(4)])
+        ctl.step(model, 0)
+        yield model
+
+
+def _nemo_is_qnemo_checkpoint():
+    """NeMo's own ``is_qnemo_checkpoint``, loaded from its file: the package ``__init__`` imports
+    tensorrt_llm (not installable on CPU machines), the function itself does not need it."""
+    import importlib.util
+    from pathlib import Path
+
+    import nemo.export
+
+    path = Path(nemo.export.__file__).parent / "trt_llm" / "qnemo" / "utils.py"
+    spec = importlib.util.spec_from_file_location("nemo_qnemo_utils", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.is_qnemo_checkpoint
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_qnemo_export_of_megatron_gpt(tmp_path, trained_gpt, tp):
+    is_qnemo_checkpoint = _nemo_is_qnemo_checkpoint()
+
+    out = export_checkpoint(trained_gpt, tmp_path / "qnemo", ExportConfig(kind="trtllm", tensor_parallel=tp))
+    assert is_qnemo_checkpoint(str(out))
+    config = json.loads((out / "config.json").read_text())
+    assert config["mapping"]["tp_size"] == tp and config["quantization"]["quant_algo"] == "MIXED_PRECISION"
+    assert all((out / f"rank{r}.safetensors").is_file() for r in range(tp))
+    report = validate_export(out, model=trained_gpt)
+    assert report.ok, report.format()
+    # qkv (per-head-group interleave undone), proj, fc1, fc2 of both layers, merged over the ranks
+    assert report.numeric["layers_compared"] == 8
+    assert report.numeric["fp4_codes_compared"] > 0 and report.numeric["fp4_codes_different"] == 0
