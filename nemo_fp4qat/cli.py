@@ -129,6 +129,21 @@ def _validate(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import uvicorn
+
+    from .serve import ServeSettings, create_app, load_backend
+
+    key = Path(args.api_key_file).read_text().strip() if args.api_key_file else None
+    settings = ServeSettings(max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
+                             max_batch_size=args.max_batch_size, timeout_s=args.timeout, api_key=key)  # fmt: skip
+    app = create_app(load_backend(args.export_dir, args.backend), settings)
+    uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=int(args.timeout) + 5)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="nemo-fp4qat", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -171,6 +186,17 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--runtime", default="trtllm", choices=["trtllm", "pytorch"])
     v.add_argument("--json", action="store_true")
     v.set_defaults(fn=_validate)
+    s = sub.add_parser("serve", help="serve an exported checkpoint over HTTP (OpenAI-style completions)")
+    s.add_argument("export_dir")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key-file", help="file holding the bearer token required on every endpoint but /health")
+    s.add_argument("--backend", default="auto", choices=["auto", "pytorch", "tensorrt_llm"])
+    s.add_argument("--max-prompt-tokens", type=int, default=1024)
+    s.add_argument("--max-tokens", type=int, default=256, help="upper limit for a request's max_tokens")
+    s.add_argument("--max-batch-size", type=int, default=8)
+    s.add_argument("--timeout", type=float, default=60.0, help="seconds before a request is cancelled (504)")
+    s.set_defaults(fn=_serve)
     args = p.parse_args(argv)
     return int(args.fn(args) or 0)
 

@@ -1,0 +1,143 @@
+"""The HTTP API against a real uvicorn server on 127.0.0.1 with a real HTTP client (httpx)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+import httpx
+import uvicorn
+
+from nemo_fp4qat.export import ExportConfig, export_checkpoint
+from nemo_fp4qat.serve import PyTorchBackend, ServeSettings, create_app
+
+from tiny_models import VOCAB
+
+KEY = "s3cret-token"
+
+
+def _char_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 32 + VOCAB - 2)]
+    vocab = {"<unk>": 0, "</s>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    from tokenizers import decoders
+
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>", pad_token="</s>")
+
+
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory):
+    from test_export import _qat_model
+
+    model = _qat_model("trtllm_mixed", seed=5)
+    return export_checkpoint(model, tmp_path_factory.mktemp("srv") / "export", ExportConfig(kind="hf"),
+                             tokenizer=_char_tokenizer())  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server(export_dir):
+    backend = PyTorchBackend(export_dir)
+    settings = ServeSettings(max_prompt_tokens=64, max_tokens=32, max_batch_size=4, timeout_s=20, api_key=KEY)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(
+        uvicorn.Config(create_app(backend, settings), host="127.0.0.1", port=port, log_level="warning")
+    )
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    while not srv.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", backend
+    srv.should_exit = True
+    th.join(10)
+
+
+H = {"Authorization": f"Bearer {KEY}"}
+
+
+def test_served_weights_are_the_exported_codes(export_dir):
+    from nemo_fp4qat.export import load_export
+    from nemo_fp4qat.export.unpack import dequantize_linear
+
+    backend = PyTorchBackend(export_dir)
+    _, _, (t,) = load_export(export_dir)
+    name = "model.layers.1.mlp.down_proj"
+    parts = {k.rsplit(".", 1)[1]: v for k, v in t.items() if k.rsplit(".", 1)[0] == name}
+    w = backend.model.get_submodule(name).weight
+    assert torch.equal(w, dequantize_linear(parts, "NVFP4").to(w.dtype))
+
+
+def test_greedy_completion_equals_the_exported_model(server):
+    url, backend = server
+    prompts = ["hello world", "the quick brown fox"]
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": prompts, "max_tokens": 8}, headers=H, timeout=60)
+    assert r.status_code == 200, r.text
+    direct = backend.generate(prompts, 8)
+    assert [c["text"] for c in r.json()["choices"]] == [d.text for d in direct]
+    assert r.json()["usage"]["completion_tokens"] == sum(d.completion_tokens for d in direct) > 0
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "field"),
+    [
+        (b"{not json", 400, None),
+        ({"prompt": 5}, 422, "prompt"),
+        ({"prompt": "x" * 100}, 413, "prompt"),
+        ({"prompt": "hi", "max_tokens": -1}, 422, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": 10**6}, 422, "max_tokens"),
+        ({"prompt": "hi", "bogus": 1}, 422, "bogus"),
+        ({"prompt": ["a"] * 9}, 422, "prompt"),
+        ({"prompt": "hi", "temperature": "hot"}, 422, "temperature"),
+    ],
+)
+def test_bad_requests_get_4xx_naming_the_field(server, body, status, field):
+    url, _ = server
+    kw = {"content": body, "headers": {**H, "content-type": "application/json"}} if isinstance(body, bytes) else {
+        "json": body, "headers": H}  # fmt: skip
+    r = httpx.post(f"{url}/v1/completions", timeout=30, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    if field:
+        assert field in err["message"]
+    assert httpx.get(f"{url}/ready", headers=H).status_code == 200  # still serving
+
+
+def test_api_key_on_every_endpoint_but_health(server):
+    url, _ = server
+    assert httpx.get(f"{url}/health").status_code == 200
+    for path in ("/ready", "/v1/models", "/metrics"):
+        assert httpx.get(f"{url}{path}").status_code == 401
+        assert httpx.get(f"{url}{path}", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.get(f"{url}{path}", headers=H).status_code == 200
+    assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}).status_code == 401
+
+
+def test_concurrent_load_batches_without_errors(server):
+    url, _ = server
+    n, conc = 64, 16
+
+    def one(i):
+        with httpx.Client(timeout=60) as c:
+            return c.post(f"{url}/v1/completions", json={"prompt": f"request {i}", "max_tokens": 4}, headers=H)
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(conc) as ex:
+        codes = [r.status_code for r in ex.map(one, range(n))]
+    assert codes == [200] * n, codes
+    metrics = httpx.get(f"{url}/metrics", headers=H).text
+    batches = int(next(line.split()[1] for line in metrics.splitlines() if line.startswith("fp4qat_batches_total")))
+    assert batches < n  # concurrent requests were batched together
+    assert time.perf_counter() - t0 > 0
