@@ -9,7 +9,7 @@ from pathlib import Path
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
-BENCHES = ["bench_cpu_fakequant", "bench_training_overhead", "bench_demo", "bench_export_size"]
+BENCHES = ["bench_cpu_fakequant", "bench_training_overhead", "bench_demo", "bench_export_size", "bench_serve"]
 # Sections written by hand or by runs elsewhere (the GPU check) are kept as files in results/.
 STATIC = ["gpu_h200"]
 
