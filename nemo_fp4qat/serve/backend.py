@@ -58,6 +58,9 @@ class PyTorchBackend:
         self.tokenizer.padding_side = "left"
         self.algos = self._load(tensors, qcfg, dtype)
         self.lock = threading.Lock()  # one generate() at a time; the server batches requests
+        # HF fast tokenizers are not thread-safe ("Already borrowed"): the event loop counts prompt
+        # tokens while the executor thread encodes/decodes a batch
+        self.tok_lock = threading.Lock()
 
     def _load(self, tensors: dict[str, torch.Tensor], qcfg: dict[str, Any], dtype: torch.dtype) -> dict[str, str]:
         mixed = qcfg.get("quantized_layers") or {}
@@ -99,7 +102,8 @@ class PyTorchBackend:
         return self.dir.name
 
     def count_tokens(self, text: str) -> int:
-        return len(self.tokenizer(text).input_ids)
+        with self.tok_lock:
+            return len(self.tokenizer(text).input_ids)
 
     def generate(
         self,
@@ -117,7 +121,8 @@ class PyTorchBackend:
             def __call__(self, input_ids, scores, **kwargs):  # stop between tokens when cancelled
                 return bool(cancel is not None and cancel.is_set())
 
-        enc = self.tokenizer(prompts, return_tensors="pt", padding=True, return_token_type_ids=False)
+        with self.tok_lock:
+            enc = self.tokenizer(prompts, return_tensors="pt", padding=True, return_token_type_ids=False)
         sample = temperature > 0
         with self.lock, torch.no_grad():
             if seed is not None:
@@ -140,7 +145,8 @@ class PyTorchBackend:
             ids = new.tolist()
             if eos is not None and eos in ids:
                 ids = ids[: ids.index(eos)]
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            with self.tok_lock:
+                text = self.tokenizer.decode(ids, skip_special_tokens=True)
             reason = "length" if len(ids) >= max_tokens else "stop"
             for s in stop or []:
                 if s and s in text:
