@@ -217,13 +217,14 @@ class FP4QATCallback(pl.Callback):
         """Export the quantized module (see ``export_dir``); returns the export directory."""
         from .export import export_checkpoint
 
-        kind = (
-            "trtllm" if self.export is None and not hasattr(self.target_module(pl_module), "save_pretrained") else None
+        module = self.target_module(pl_module)
+        # default: unified HF checkpoint for Hugging Face models, TRT-LLM (qnemo) for megatron-core ones
+        cfg = (
+            self.export
+            if self.export is not None
+            else {"kind": "hf" if hasattr(module, "save_pretrained") else "trtllm"}
         )
-        cfg = self.export if self.export is not None else {"kind": kind or "hf"}
-        path = export_checkpoint(
-            self.target_module(pl_module), out_dir, cfg, tokenizer=getattr(pl_module, "tokenizer", None)
-        )
+        path = export_checkpoint(module, out_dir, cfg, tokenizer=getattr(pl_module, "tokenizer", None))
         rank_zero_info(f"nemo_fp4qat: exported to {path}")
         return path
 

@@ -133,11 +133,9 @@ def test_concurrent_load_batches_without_errors(server):
         with httpx.Client(timeout=60) as c:
             return c.post(f"{url}/v1/completions", json={"prompt": f"request {i}", "max_tokens": 4}, headers=H)
 
-    t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(conc) as ex:
         codes = [r.status_code for r in ex.map(one, range(n))]
     assert codes == [200] * n, codes
     metrics = httpx.get(f"{url}/metrics", headers=H).text
     batches = int(next(line.split()[1] for line in metrics.splitlines() if line.startswith("fp4qat_batches_total")))
     assert batches < n  # concurrent requests were batched together
-    assert time.perf_counter() - t0 > 0

@@ -64,12 +64,10 @@ def to_compressed_tensors(
     for f in sorted(src.glob("*.safetensors")):
         tensors.update(load_file(str(f)))
     out: dict[str, torch.Tensor] = {}
-    quantized: list[str] = []
     for key, t in tensors.items():
         mod, _, attr = key.rpartition(".")
         if attr == "weight" and f"{mod}.weight_scale_2" in tensors:
             out[f"{mod}.weight_packed"] = t
-            quantized.append(mod)
         elif attr == "weight_scale_2":
             out[f"{mod}.weight_global_scale"] = (1.0 / t.float()).reshape(1)
         elif attr == "input_scale":

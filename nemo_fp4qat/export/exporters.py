@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -150,8 +151,6 @@ def _export_trtllm(model: nn.Module, out: Path, cfg: ExportConfig) -> None:
 
 def _save_tokenizer(tokenizer: Any, out: Path, kind: str, nemo_context: str | Path | None) -> None:
     if nemo_context is not None:
-        import shutil
-
         # NeMo's qnemo loader rebuilds the tokenizer from the model context (same as llm.ptq does).
         shutil.copytree(nemo_context, out / "nemo_context", dirs_exist_ok=True)
     if tokenizer is None:

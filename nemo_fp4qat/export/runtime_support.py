@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from ..formats import QuantFormat, format_of_quantizer
+from ..modelopt_compat import uses_list_config
 from ..policy import is_quantizer
 
 __all__ = [
@@ -86,8 +87,6 @@ def preflight(model: nn.Module, runtime: str = "trtllm", tensor_parallel: int = 
         )
     problems: list[str] = []
     modules = dict(model.named_modules())
-    from ..modelopt_compat import uses_list_config
-
     old_modelopt = not uses_list_config()
     for lf in layers:
         f = lf.weight

@@ -91,20 +91,20 @@ def dequantize_mxfp8(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.
     return weight.to(torch.float64) * _expand_blocks(e8m0_to_float(weight_scale), weight.shape[-1])
 
 
-def dequantize_fp8(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    if weight.dtype != torch.float8_e4m3fn:
-        raise TypeError(f"FP8 weight must be float8_e4m3fn, got {weight.dtype}")
+def _per_tensor_or_channel(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype, algo: str):
+    if weight.dtype != dtype:
+        raise TypeError(f"{algo} weight must be {dtype}, got {weight.dtype}")
     s = weight_scale.to(torch.float64)
     s = s.reshape(()) if s.numel() == 1 else s.reshape(-1, 1)
     return weight.to(torch.float64) * s
+
+
+def dequantize_fp8(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    return _per_tensor_or_channel(weight, weight_scale, torch.float8_e4m3fn, "FP8")
 
 
 def dequantize_int8(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    if weight.dtype != torch.int8:
-        raise TypeError(f"INT8 weight must be int8, got {weight.dtype}")
-    s = weight_scale.to(torch.float64)
-    s = s.reshape(()) if s.numel() == 1 else s.reshape(-1, 1)
-    return weight.to(torch.float64) * s
+    return _per_tensor_or_channel(weight, weight_scale, torch.int8, "INT8")
 
 
 def dequantize_int4_awq(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:

@@ -290,9 +290,10 @@ def _fake_quant(mod: nn.Module) -> torch.Tensor | None:
         return mod.weight_quantizer(mod.weight.detach()).to(torch.float64)
 
 
-def _reference(model: nn.Module, name: str, kind: str, config: dict[str, Any], names: set[str]) -> torch.Tensor | None:
+def _reference(
+    modules: dict[str, nn.Module], name: str, kind: str, config: dict[str, Any], names: set[str]
+) -> torch.Tensor | None:
     """The model's fake-quantized weight for exported module ``name`` (None: no counterpart)."""
-    modules = dict(model.named_modules())
     if name in modules:
         return _fake_quant(modules[name])
     if kind != "trtllm":
@@ -320,9 +321,9 @@ def _reference(model: nn.Module, name: str, kind: str, config: dict[str, Any], n
     return ref
 
 
-def _resmoothed(model: nn.Module, name: str, t: dict[str, torch.Tensor]) -> bool:
+def _resmoothed(modules: dict[str, nn.Module], name: str, t: dict[str, torch.Tensor]) -> bool:
     """Whether the exporter changed this layer's smoothing scale (so its weights were requantized)."""
-    mod = dict(model.named_modules()).get(name)
+    mod = modules.get(name)
     iq = getattr(mod, "input_quantizer", None)
     trained = getattr(iq, "_pre_quant_scale", None) if iq is not None else None
     if trained is None:
@@ -424,6 +425,8 @@ def validate_export(
             return None
         return algo
 
+    model_modules = dict(model.named_modules()) if model is not None else {}
+    names = set(mods)
     for mod, t in sorted(mods.items()):
         w = t.get("weight")
         if w is None or w.dim() != 2:
@@ -442,10 +445,10 @@ def validate_export(
             rep.error(mod, f"no layout known for quant_algo {a!r}.")
             continue
         if _check_layout(rep, mod, a, t, group) and model is not None:
-            ref = _reference(model, mod, kind, config, set(mods))
+            ref = _reference(model_modules, mod, kind, config, names)
             if ref is None:
                 rep.numeric["layers_without_counterpart"] = rep.numeric.get("layers_without_counterpart", 0) + 1
-            elif a.upper() in _SMOOTHED and _resmoothed(model, mod, t):
+            elif a.upper() in _SMOOTHED and _resmoothed(model_modules, mod, t):
                 # modelopt's HF exporter re-smooths siblings that share an input (q/k/v, gate/up; one
                 # averaged pre_quant_scale, or folded into the preceding norm) and requantizes their
                 # weights: what deploys is not bit-for-bit what was trained. Reported, not hidden.
