@@ -37,6 +37,12 @@ CHECKPOINT_KEY = "nemo_fp4qat"
 log = logging.getLogger("nemo_fp4qat")
 
 
+def _modelopt_converted(module: nn.Module) -> bool:
+    import modelopt.torch.opt as mto
+
+    return mto.ModeloptStateManager.is_converted(module)
+
+
 class FP4QATCallback(pl.Callback):
     """Quantization-aware training in FP4 (and friends) with layer policies and precision schedules.
 
@@ -112,7 +118,15 @@ class FP4QATCallback(pl.Callback):
             self.distiller = Distiller(self.target_module(pl_module), self.distillation)
             self._wrap_training_step(pl_module)
             rank_zero_info(f"nemo_fp4qat: QAD teacher holds {self.distiller.teacher_bytes() / 2**20:.0f} MiB")
-        table = self.controller.prepare(self.target_module(pl_module))
+        module = self.target_module(pl_module)
+        if trainer is not None and trainer.ckpt_path and _modelopt_converted(module):
+            # Resuming, and the framework has already rebuilt the quantizers from the checkpoint's
+            # modelopt_state (NeMo's GPTModel.configure_model does): quantizing again would reset
+            # them to step 0 and drop their amax buffers before the weights load. Adopt them; the
+            # controller state comes with the callback state.
+            table = self.controller.resolve(module)
+        else:
+            table = self.controller.prepare(module)
         rank_zero_info(f"nemo_fp4qat: policy {self.controller.policy.name!r}\n{table.format_table()}")
         self._prepared = True
 

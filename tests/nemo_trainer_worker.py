@@ -2,20 +2,29 @@
 
 A tiny NeMo 2.7.3 ``llm.GPTModel`` trained by ``nl.Trainer`` + ``nl.MegatronStrategy`` on the CPU
 (``megatron_cpu_mode``) with ``NeMoFP4QATCallback``: fp8 for two steps, then NVFP4. Dumps JSON.
+
+``worker.py OUT [MODE CKPT]``: MODE ``full`` (default) trains ``STEPS`` steps; ``first`` trains
+``STEPS // 2`` and saves a NeMo (dist-)checkpoint to CKPT; ``resume`` continues from CKPT to ``STEPS``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+
+STEPS = int(os.environ.get("STEPS", "4"))
 
 if __name__ == "__main__":
     out = sys.argv[1]
+    mode = sys.argv[2] if len(sys.argv) > 2 else "full"
+    ckpt = sys.argv[3] if len(sys.argv) > 3 else None
     from nemo_fp4qat.nemo import NeMoFP4QATCallback, megatron_cpu_mode, megatron_module
 
     with megatron_cpu_mode():
         import lightning.pytorch as pl
         import nemo.lightning as nl
+        import torch
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.optimizer import OptimizerConfig
         from nemo.collections import llm
@@ -30,15 +39,30 @@ if __name__ == "__main__":
             orig_init(self, tokenizer, name, num_samples, seq_length, 42, bool(seed) or create_attention_mask)
 
         mock._MockGPTDataset.__init__ = init
+        torch.manual_seed(1234)
 
         cfg = llm.GPTConfig(
             num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, seq_length=32,
-            init_method_std=0.02, use_cpu_initialization=True, bias_activation_fusion=False,
+            init_method_std=0.02, hidden_dropout=0.0, attention_dropout=0.0,  # deterministic: resume compares losses
+            use_cpu_initialization=True, bias_activation_fusion=False,
             masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
             apply_rope_fusion=False, gradient_accumulation_fusion=False,
             transformer_layer_spec=get_gpt_layer_local_spec(),
         )  # fmt: skip
-        data = llm.MockDataModule(seq_length=32, global_batch_size=2, micro_batch_size=2, num_workers=0,
+
+        class ResumableMockDataModule(llm.MockDataModule):
+            """MockDataModule plus the consumed-samples state NeMo's PreTrainingDataModule keeps, so a
+            resumed run continues the data stream where the checkpoint left it (NeMo's mock has none)."""
+
+            def state_dict(self):
+                return {"consumed_samples": self.data_sampler.compute_consumed_samples(self.trainer.global_step)}
+
+            def load_state_dict(self, state):
+                self.data_sampler.init_consumed_samples = state["consumed_samples"]
+                self.data_sampler.prev_consumed_samples = state["consumed_samples"]
+                self.data_sampler.if_first_step = 1
+
+        data = ResumableMockDataModule(seq_length=32, global_batch_size=2, micro_batch_size=2, num_workers=0,
                                   pin_memory=False, tokenizer=ByteLevelTokenizer(),
                                   create_attention_mask=True)  # fmt: skip
         optim = nl.MegatronOptimizerModule(
@@ -51,19 +75,30 @@ if __name__ == "__main__":
             calibration=4,
         )
         seen: list[dict] = []
+        losses: dict[int, float] = {}
+
+        def fc1_of(pl_module):
+            return megatron_module(pl_module).decoder.layers[0].mlp.linear_fc1
 
         class Probe(pl.Callback):
             def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-                fc1 = megatron_module(pl_module).decoder.layers[0].mlp.linear_fc1
-                seen.append({"step": trainer.global_step, "num_bits": list(fc1.weight_quantizer.num_bits),
-                             "block": (fc1.weight_quantizer.block_sizes or {}).get(-1)})  # fmt: skip
+                q = fc1_of(pl_module).weight_quantizer
+                seen.append({"step": trainer.global_step, "num_bits": list(q.num_bits),
+                             "block": (q.block_sizes or {}).get(-1), "amax": float(q.amax)})  # fmt: skip
 
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                losses[trainer.global_step] = float(trainer.callback_metrics["reduced_train_loss"])
+                if mode == "first" and trainer.global_step == STEPS // 2:
+                    trainer.save_checkpoint(ckpt)  # inside fit, where NeMo's ModelCheckpoint saves
+
+        max_steps = STEPS // 2 if mode == "first" else STEPS
         strategy = nl.MegatronStrategy(ckpt_async_save=False)
-        trainer = nl.Trainer(accelerator="cpu", devices=1, max_steps=4, strategy=strategy,
+        trainer = nl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, strategy=strategy,
                              plugins=nl.MegatronMixedPrecision(precision="32"), callbacks=[qat, Probe()], logger=False,
                              enable_checkpointing=False, limit_val_batches=0, log_every_n_steps=1)  # fmt: skip
-        trainer.fit(model, data)
-        losses = [float(trainer.callback_metrics.get("reduced_train_loss", float("nan")))]
+        trainer.fit(model, data, ckpt_path=ckpt if mode == "resume" else None)
+        final_q = fc1_of(model).weight_quantizer
         with open(out, "w") as f:
             json.dump({"seen": seen, "history": qat.controller.history, "calibrated": qat.controller.calibrated,
-                       "loss": losses}, f)  # fmt: skip
+                       "losses": losses, "final_amax": float(final_q.amax),
+                       "final_num_bits": list(final_q.num_bits)}, f)  # fmt: skip

@@ -1,4 +1,5 @@
-"""NeMo 2.7.3 Megatron training (nl.Trainer + MegatronStrategy, CPU mode) with FP4 QAT."""
+"""NeMo 2.7.3 Megatron training (nl.Trainer + MegatronStrategy, CPU mode) with FP4 QAT, and a
+NeMo dist-checkpoint save / resume that continues with the same stage, quantizers and losses."""
 
 from __future__ import annotations
 
@@ -15,20 +16,42 @@ import pytest
 pytestmark = pytest.mark.nemo
 
 
-def test_nemo_gpt_trains_with_the_qat_callback_and_switches_formats(tmp_path):
-    pytest.importorskip("nemo.collections.llm")
-    out = tmp_path / "out.json"
+def _run(tmp_path, name, *args, steps=4):
+    out = tmp_path / f"{name}.json"
     worker = Path(__file__).parent / "nemo_trainer_worker.py"
     with socket.socket() as sock:  # a fresh port: this pytest process may already hold MASTER_PORT
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    proc = subprocess.run([sys.executable, str(worker), str(out)], capture_output=True, text=True, timeout=900,
-                          cwd=tmp_path, env=env)  # fmt: skip
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "STEPS": str(steps)}
+    proc = subprocess.run([sys.executable, str(worker), str(out), *args], capture_output=True, text=True,
+                          timeout=900, cwd=tmp_path, env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    res = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_nemo_gpt_trains_with_the_qat_callback_and_switches_formats(tmp_path):
+    pytest.importorskip("nemo.collections.llm")
+    res = _run(tmp_path, "full")
     assert res["calibrated"]
     assert [s["num_bits"] for s in res["seen"]] == [[4, 3], [4, 3], [2, 1], [2, 1]]
     assert [s["block"] for s in res["seen"]][2:] == [16, 16]
     assert [(e["step"], e["group"], e["to"]) for e in res["history"]] == [(2, "other", "nvfp4")]
-    assert all(math.isfinite(x) for x in res["loss"])
+    assert all(math.isfinite(x) for x in res["losses"].values())
+
+
+def test_nemo_checkpoint_resume_continues_stage_quantizers_and_losses(tmp_path):
+    pytest.importorskip("nemo.collections.llm")
+    ckpt = tmp_path / "ckpt"
+    full = _run(tmp_path, "full", steps=6)
+    first = _run(tmp_path, "first", "first", str(ckpt), steps=6)
+    assert (ckpt / "weights" / "modelopt_state").exists()  # NeMo saved modelopt's state with the weights
+    resumed = _run(tmp_path, "resume", "resume", str(ckpt), steps=6)
+    # the first half switched to NVFP4 at step 2; the resumed run starts in NVFP4 with the saved amax
+    assert first["final_num_bits"] == [2, 1]
+    assert resumed["seen"][0]["step"] == 3 and resumed["seen"][0]["num_bits"] == [2, 1]
+    assert resumed["seen"][0]["block"] == 16
+    assert resumed["seen"][0]["amax"] == first["final_amax"]
+    assert [e["to"] for e in resumed["history"]] == ["nvfp4"]  # the schedule history came back, no new switch
+    # and the same losses as the uninterrupted run
+    for step in ("4", "5", "6"):  # global step after each optimizer step
+        assert resumed["losses"][step] == pytest.approx(full["losses"][step], rel=1e-6), (step, resumed, full)

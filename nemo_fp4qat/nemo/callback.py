@@ -9,11 +9,15 @@ batches NeMo's data modules yield (``tokens``, ``position_ids``, ``attention_mas
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
+import torch
 import torch.nn as nn
+from lightning.pytorch.utilities import rank_zero_info
 
-from ..callback import FP4QATCallback
+from ..callback import CHECKPOINT_KEY, FP4QATCallback
 
 __all__ = ["NeMoFP4QATCallback", "megatron_module", "nemo_gpt_forward"]
 
@@ -46,3 +50,45 @@ class NeMoFP4QATCallback(FP4QATCallback):
         kwargs.setdefault("module_getter", megatron_module)
         kwargs.setdefault("forward_fn", nemo_gpt_forward)
         super().__init__(**kwargs)
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        from nemo.lightning import MegatronStrategy
+
+        super().setup(trainer, pl_module, stage)
+        if stage != "fit" or not isinstance(trainer.strategy, MegatronStrategy):
+            return
+        # MegatronStrategy.load_checkpoint builds the sharded state dict to load from the model as it
+        # is: quantizers must already be in the checkpoint's formats, with its amax buffers, or their
+        # tensors are never read. Lightning's on_load_checkpoint comes too late for dist-checkpoints.
+        original = trainer.strategy.load_checkpoint
+
+        def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+            self.match_checkpoint(pl_module, checkpoint_path)
+            return original(checkpoint_path, *args, **kwargs)
+
+        trainer.strategy.load_checkpoint = load_checkpoint
+
+    def match_checkpoint(self, pl_module: pl.LightningModule, checkpoint_path: str | Path) -> bool:
+        """Reconfigure the quantizers to a NeMo dist-checkpoint before its tensors are loaded."""
+        from megatron.core import dist_checkpointing
+        from nemo.lightning.io.pl import ckpt_to_weights_subdir
+
+        weights = ckpt_to_weights_subdir(checkpoint_path, is_saving=False)
+        if not Path(weights, "common.pt").exists():
+            return False
+        saved = dist_checkpointing.load_common_state_dict(str(weights)).get(CHECKPOINT_KEY)
+        if saved is None:
+            return False
+        module = self.target_module(pl_module)
+        names = dict(module.named_modules())
+        buffers: dict[str, torch.Tensor] = {}
+        for key, meta in dist_checkpointing.load_tensors_metadata(str(weights)).items():
+            rel = key
+            while rel.startswith("module.") and rel.rpartition(".")[0] not in names:
+                rel = rel[len("module.") :]  # NeMo's wrapper prefixes, relative to the megatron module
+            if "_quantizer." in rel and rel.rpartition(".")[0] in names:
+                buffers[rel] = torch.empty(meta.global_shape, dtype=meta.dtype)
+        self.controller.sync_to_checkpoint(module, saved["controller"], buffers)
+        self.controller.calib_batches = saved.get("calib_batches", [])
+        rank_zero_info(f"nemo_fp4qat: quantizers matched to {checkpoint_path} before loading it")
+        return True

@@ -117,6 +117,14 @@ def megatron_cpu_mode() -> Iterator[bool]:
             stack.enter_context(_patched(mrandom, "_set_cuda_rng_state", lambda *a, **k: None))
         except ImportError:  # megatron-core not installed: torch-level patches only
             pass
+        try:
+            from nemo.lightning.io import pl as nemo_io_pl
+
+            # NeMo's dist-checkpoint load asserts CUDA is initialised to move tensors to the current
+            # GPU; on a CPU they are already where they belong.
+            stack.enter_context(_patched(nemo_io_pl, "_fix_tensors_device", lambda ckpt: ckpt))
+        except ImportError:  # NeMo not installed
+            pass
         stack.enter_context(_CudaToCpu())
         _ACTIVE = True
         try:
