@@ -1,0 +1,44 @@
+"""NeMo-Run: a YAML override adds the QAT callback to a recipe through NeMo-Run's own CLI parser,
+and the Slurm example builds and dry-runs (sbatch script with the container and resources)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.nemo
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_yaml_override_adds_the_callback_through_nemo_runs_cli_parser():
+    pytest.importorskip("nemo_run")
+    from nemo.collections import llm
+    from nemo_run.cli.lazy import LazyEntrypoint
+
+    from nemo_fp4qat.nemo import NeMoFP4QATCallback
+    from nemo_fp4qat.nemo.run_factories import fp4qat
+
+    eps = metadata.entry_points().select(group="nemo_run.cli")
+    assert "fp4qat" in eps.names  # so the `nemo` CLI imports the factory module
+    recipe = LazyEntrypoint(llm.finetune, factory="llama32_1b", yaml=str(ROOT / "conf/nemo_run/fp4qat.yaml")).resolve()
+    kinds = [c.__fn_or_cls__ for c in recipe.trainer.callbacks]
+    assert kinds[0] is not NeMoFP4QATCallback and NeMoFP4QATCallback in kinds  # appended to the recipe's own
+    qat = next(c for c in recipe.trainer.callbacks if c.__fn_or_cls__ is NeMoFP4QATCallback)
+    assert (qat.policy, qat.schedule, qat.calibration) == ("trtllm_mixed", "progressive", 256)
+    assert any(c.__fn_or_cls__.__name__ == "QuantizationMonitor" for c in recipe.trainer.callbacks)
+    assert [c.__fn_or_cls__ for c in fp4qat(monitor_every_n_steps=0)] == [NeMoFP4QATCallback]  # no monitor
+
+
+def test_slurm_example_dry_runs(tmp_path):
+    pytest.importorskip("nemo_run")
+    cmd = [sys.executable, str(ROOT / "examples/nemo_run_qat.py"), "--executor", "slurm", "--dryrun",
+           "--account", "acct42", "--nodes", "2", "--gpus", "8", "--job-dir", str(tmp_path / "jobs")]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    for needle in ("#SBATCH --account=acct42", "#SBATCH --nodes=2", "#SBATCH --gpus-per-node=8", "--container-image"):
+        assert needle in out, needle
