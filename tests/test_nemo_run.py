@@ -17,13 +17,16 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_yaml_override_adds_the_callback_through_nemo_runs_cli_parser():
     pytest.importorskip("nemo_run")
     from nemo.collections import llm
+    from nemo_run.cli.api import _load_entrypoints
     from nemo_run.cli.lazy import LazyEntrypoint
 
     from nemo_fp4qat.nemo import NeMoFP4QATCallback
-    from nemo_fp4qat.nemo.run_factories import fp4qat
 
     eps = metadata.entry_points().select(group="nemo_run.cli")
-    assert "fp4qat" in eps.names  # so the `nemo` CLI imports the factory module
+    assert "fp4qat" in eps.names
+    _load_entrypoints()  # what the `nemo` CLI does: registers the fp4qat factory through our entry point
+    from nemo_fp4qat.nemo.run_factories import fp4qat
+
     recipe = LazyEntrypoint(llm.finetune, factory="llama32_1b", yaml=str(ROOT / "conf/nemo_run/fp4qat.yaml")).resolve()
     kinds = [c.__fn_or_cls__ for c in recipe.trainer.callbacks]
     assert kinds[0] is not NeMoFP4QATCallback and NeMoFP4QATCallback in kinds  # appended to the recipe's own
@@ -42,3 +45,19 @@ def test_slurm_example_dry_runs(tmp_path):
     out = proc.stdout
     for needle in ("#SBATCH --account=acct42", "#SBATCH --nodes=2", "#SBATCH --gpus-per-node=8", "--container-image"):
         assert needle in out, needle
+
+
+def test_full_llama_finetune_config_resolves():
+    pytest.importorskip("nemo_run")
+    from nemo.collections import llm
+    from nemo_run.cli.api import _load_entrypoints
+    from nemo_run.cli.lazy import LazyEntrypoint
+
+    from nemo_fp4qat.nemo import NeMoFP4QATCallback
+
+    _load_entrypoints()
+    p = LazyEntrypoint(llm.finetune, yaml=str(ROOT / "conf/nemo_run/llama3_8b_fp4qat.yaml")).resolve()
+    assert p.model.config.__fn_or_cls__ is llm.Llama3Config8B and p.peft is None
+    assert (p.trainer.max_steps, p.optim.config.lr) == (2000, 1e-5)
+    qat = next(c for c in p.trainer.callbacks if c.__fn_or_cls__ is NeMoFP4QATCallback)
+    assert qat.policy == "trtllm_mixed" and qat.schedule == "progressive"
