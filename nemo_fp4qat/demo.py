@@ -2,7 +2,8 @@
 
 Baseline evaluation -> full-precision fine-tune (the fair baseline) -> PTQ of it -> progressive QAT
 (bf16 -> fp8 -> fp6 -> policy formats, default layer policy) with the same data and step budget ->
-evaluation of every variant -> comparison table, ``report.json`` (with ``recovery``), ``report.md``,
+evaluation of every variant -> export of the QAT model (validated unified HF checkpoint, servable
+with ``nemo-fp4qat serve``) -> comparison table, ``report.json`` (with ``recovery``), ``report.md``,
 PNG plots, and the quantization-quality report of the QAT run. Everything goes under ``out_dir``.
 
 This runs the plain Lightning + Hugging Face path: the NeMo (Megatron) import of SmolLM2 is not
@@ -150,7 +151,15 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, cfg: DemoConfig | 
     qat_losses = _train(qat_model, train, cfg, out, [qat_cb, monitor], "qat")
     variants["qat"] = ev(qat_model, "QAT")
 
-    con.print("[bold]5/5[/bold] report")
+    con.print("[bold]5/5[/bold] export and report")
+    from .export import ExportConfig, export_checkpoint
+
+    # The default policy keeps attention in MXFP8, which TensorRT-LLM has no kernel for: the demo's
+    # export targets this plugin's own server (`nemo-fp4qat serve`); policy 'trtllm_mixed' deploys to TRT-LLM.
+    runtime = "trtllm" if cfg.policy == "trtllm_mixed" else "pytorch"
+    export_dir = export_checkpoint(qat_model, out / "export", ExportConfig(kind="hf", runtime=runtime, overwrite=True),
+                                   tokenizer=tok)  # fmt: skip
+    con.print(f"  exported (validated) to {export_dir}; serve it: nemo-fp4qat serve {export_dir}")
     report = write_report(
         out,
         variants,
