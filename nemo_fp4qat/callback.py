@@ -147,10 +147,15 @@ class FP4QATCallback(pl.Callback):
         saved = checkpoint.get(CHECKPOINT_KEY)
         if saved is None:
             return False
-        self.controller.sync_to_checkpoint(pl_module, saved["controller"], checkpoint.get("state_dict", {}))
-        self.controller.calib_batches = saved.get("calib_batches", [])
+        self.sync_to_saved(pl_module, saved, checkpoint.get("state_dict", {}))
         rank_zero_info("nemo_fp4qat: quantizers reconfigured from the checkpoint being resumed")
         return True
+
+    def sync_to_saved(self, root: nn.Module, saved: dict[str, Any], state_dict: dict[str, Any]) -> None:
+        """Apply this callback's checkpoint payload: schedule state, quantizer formats and buffers
+        (``state_dict`` keys relative to ``root``), calibration samples."""
+        self.controller.sync_to_checkpoint(root, saved["controller"], state_dict)
+        self.controller.calib_batches = saved.get("calib_batches", [])
 
     # --- Lightning hooks ----------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -88,7 +88,6 @@ class NeMoFP4QATCallback(FP4QATCallback):
                 rel = rel[len("module.") :]  # NeMo's wrapper prefixes, relative to the megatron module
             if "_quantizer." in rel and rel.rpartition(".")[0] in names:
                 buffers[rel] = torch.empty(meta.global_shape, dtype=meta.dtype)
-        self.controller.sync_to_checkpoint(module, saved["controller"], buffers)
-        self.controller.calib_batches = saved.get("calib_batches", [])
+        self.sync_to_saved(module, saved, buffers)
         rank_zero_info(f"nemo_fp4qat: quantizers matched to {checkpoint_path} before loading it")
         return True
