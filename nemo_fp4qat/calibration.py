@@ -152,22 +152,59 @@ def run_calibration(
     mtq.calibrate(model, algorithm=algorithm, forward_loop=forward_loop)
 
 
-def sync_amax_across_ranks(model: nn.Module) -> int:
-    """All-reduce (MAX) every quantizer amax across the default process group. Returns the count.
+def _tp_size(module: nn.Module) -> int:
+    """Tensor-parallel world size modelopt recorded for a quantized module (-1 / 1: not sharded)."""
+    state = getattr(module, "_parallel_state", None)
+    group = getattr(state, "tensor_parallel_group", None)
+    return group.world_size() if group is not None else -1
 
-    modelopt's ``max_calibrate`` already syncs input-quantizer amax over its data-parallel group;
-    this covers every quantizer (weights too) and every algorithm, whatever group modelopt inferred.
+
+def sync_amax_across_ranks(model: nn.Module) -> int:
+    """All-reduce (MAX) quantizer amax across the default process group. Returns the count.
+
+    A per-tensor amax (one value: NVFP4's global scale, FP8, per-tensor INT8) is the max over the
+    whole tensor, so MAX over every rank is right under data *and* tensor parallelism. A per-channel
+    amax inside a tensor-parallel linear (modelopt's ``parallel_state`` names a TP group) is not: a
+    column-parallel shard holds other output channels than its TP peers. modelopt's ``max_calibrate``
+    already syncs those over the right groups (DP, and TP where the axis allows), so they are left to
+    it; per-channel amax outside tensor parallelism (DDP replicas hold the same channels) is synced here.
     """
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return 0
-    n = 0
-    for _, module in sorted(model.named_modules(), key=lambda kv: kv[0]):
-        amax = getattr(module, "_amax", None)
-        if isinstance(amax, torch.Tensor) and is_quantizer(module):
-            buf = amax.detach().clone()
-            dist.all_reduce(buf, op=dist.ReduceOp.MAX)
-            amax.data.copy_(buf)
-            n += 1
-    return n
+    tp_sharded = {
+        f"{name}.{child}" if name else child
+        for name, module in model.named_modules()
+        if _tp_size(module) > 1
+        for child, sub in module.named_modules()
+        if child and is_quantizer(sub)
+    }
+    entries = [
+        (name, module._amax)
+        for name, module in sorted(model.named_modules(), key=lambda kv: kv[0])
+        if is_quantizer(module) and isinstance(getattr(module, "_amax", None), torch.Tensor)
+        and not (module._amax.numel() > 1 and name in tp_sharded)
+    ]  # fmt: skip
+    # Check first that every rank holds the same amax buffers: a mismatch would otherwise hang the
+    # collective below with no message.
+    mine = [(name, tuple(a.shape)) for name, a in entries]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for rank, theirs in enumerate(everyone):
+        if theirs != mine:
+            diff = sorted(set(mine) ^ set(theirs))[:6]
+            raise RuntimeError(
+                f"Rank {dist.get_rank()} and rank {rank} hold different quantizer amax buffers ({len(mine)} vs "
+                f"{len(theirs)}; first differences {diff}). Every rank must prepare and calibrate the same "
+                "model with the same policy and schedule."
+            )
+    if not entries:
+        return 0
+    flat = torch.cat([a.detach().float().flatten() for _, a in entries])
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX)  # one collective for the whole model
+    offset = 0
+    for _, a in entries:
+        a.data.copy_(flat[offset : offset + a.numel()].view_as(a))
+        offset += a.numel()
+    return len(entries)

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DATA_DIR", "GGUF_FILE", "load_corpus", "load_smollm2", "smollm2_dir"]
+__all__ = ["DATA_DIR", "GGUF_FILE", "load_corpus", "load_smollm2", "smollm2_dir", "smollm2_hf_dir"]
 
 DATA_DIR = Path(__file__).parent / "demo_data"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -39,12 +39,11 @@ def _cache_dir() -> Path:
     return Path(base) / "smollm2-135m-instruct-hf"
 
 
-def load_smollm2(dtype: Any = None) -> tuple[Any, Any]:
-    """(model, tokenizer); converts the GGUF file on first use and caches the result atomically."""
+def smollm2_hf_dir() -> Path:
+    """The Hugging Face folder of the demo model; converts the GGUF file on first use, atomically."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    dtype = dtype or torch.float32
     cache = _cache_dir()
     if not (cache / "config.json").exists():
         src = smollm2_dir()
@@ -57,8 +56,17 @@ def load_smollm2(dtype: Any = None) -> tuple[Any, Any]:
         if cache.exists():
             shutil.rmtree(cache)
         os.replace(tmp, cache)  # a half-written conversion never looks complete
+    return cache
+
+
+def load_smollm2(dtype: Any = None) -> tuple[Any, Any]:
+    """(model, tokenizer) of the demo model as a Hugging Face ``LlamaForCausalLM`` (fp32 by default)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cache = smollm2_hf_dir()
     tok = AutoTokenizer.from_pretrained(cache)
-    model = AutoModelForCausalLM.from_pretrained(cache, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(cache, dtype=dtype or torch.float32)
     return model, tok
 
 

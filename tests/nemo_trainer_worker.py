@@ -3,6 +3,9 @@
 A tiny NeMo 2.7.3 ``llm.GPTModel`` trained by ``nl.Trainer`` + ``nl.MegatronStrategy`` on the CPU
 (``megatron_cpu_mode``) with ``NeMoFP4QATCallback``: fp8 for two steps, then NVFP4. Dumps JSON.
 
+``DEVICES=2`` (``TP=1`` or ``2``) runs two processes; each writes ``OUT.rank<N>`` with every
+quantizer's amax, so the test can compare ranks.
+
 ``worker.py OUT [MODE CKPT]``: MODE ``full`` (default) trains ``STEPS`` steps; ``first`` trains
 ``STEPS // 2`` and saves a NeMo (dist-)checkpoint to CKPT; ``resume`` continues from CKPT to ``STEPS``.
 """
@@ -14,6 +17,8 @@ import os
 import sys
 
 STEPS = int(os.environ.get("STEPS", "4"))
+DEVICES = int(os.environ.get("DEVICES", "1"))  # > 1: processes on gloo (Lightning launches the others)
+TP = int(os.environ.get("TP", "1"))  # tensor parallel size; data parallel = DEVICES // TP
 
 if __name__ == "__main__":
     out = sys.argv[1]
@@ -62,8 +67,8 @@ if __name__ == "__main__":
                 self.data_sampler.prev_consumed_samples = state["consumed_samples"]
                 self.data_sampler.if_first_step = 1
 
-        data = ResumableMockDataModule(seq_length=32, global_batch_size=2, micro_batch_size=2, num_workers=0,
-                                  pin_memory=False, tokenizer=ByteLevelTokenizer(),
+        data = ResumableMockDataModule(seq_length=32, global_batch_size=2, micro_batch_size=2 * TP // DEVICES,
+                                  num_workers=0, pin_memory=False, tokenizer=ByteLevelTokenizer(),
                                   create_attention_mask=True)  # fmt: skip
         optim = nl.MegatronOptimizerModule(
             config=OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0, use_distributed_optimizer=False)
@@ -92,13 +97,19 @@ if __name__ == "__main__":
                     trainer.save_checkpoint(ckpt)  # inside fit, where NeMo's ModelCheckpoint saves
 
         max_steps = STEPS // 2 if mode == "first" else STEPS
-        strategy = nl.MegatronStrategy(ckpt_async_save=False)
-        trainer = nl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, strategy=strategy,
+        strategy = nl.MegatronStrategy(ckpt_async_save=False, tensor_model_parallel_size=TP)
+        trainer = nl.Trainer(accelerator="cpu", devices=DEVICES, max_steps=max_steps, strategy=strategy,
                              plugins=nl.MegatronMixedPrecision(precision="32"), callbacks=[qat, Probe()], logger=False,
                              enable_checkpointing=False, limit_val_batches=0, log_every_n_steps=1)  # fmt: skip
         trainer.fit(model, data, ckpt_path=ckpt if mode == "resume" else None)
         final_q = fc1_of(model).weight_quantizer
-        with open(out, "w") as f:
-            json.dump({"seen": seen, "history": qat.controller.history, "calibrated": qat.controller.calibrated,
-                       "losses": losses, "final_amax": float(final_q.amax),
+        rank = torch.distributed.get_rank() if DEVICES > 1 else 0
+        amax = {n: m.amax.flatten().tolist() for n, m in megatron_module(model).named_modules()
+                if type(m).__name__ == "TensorQuantizer" and m.is_enabled and m.amax is not None}  # fmt: skip
+        with open(f"{out}.rank{rank}" if DEVICES > 1 else out, "w") as f:
+            from megatron.core import parallel_state
+
+            tp = parallel_state.get_tensor_model_parallel_world_size()
+            json.dump({"tp": tp, "amax": amax, "seen": seen, "history": qat.controller.history,
+                       "calibrated": qat.controller.calibrated, "losses": losses, "final_amax": float(final_q.amax),
                        "final_num_bits": list(final_q.num_bits)}, f)  # fmt: skip

@@ -16,16 +16,19 @@ import pytest
 pytestmark = pytest.mark.nemo
 
 
-def _run(tmp_path, name, *args, steps=4):
+def _run(tmp_path, name, *args, steps=4, devices=1, tp=1):
     out = tmp_path / f"{name}.json"
     worker = Path(__file__).parent / "nemo_trainer_worker.py"
     with socket.socket() as sock:  # a fresh port: this pytest process may already hold MASTER_PORT
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "STEPS": str(steps)}
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "STEPS": str(steps),
+           "DEVICES": str(devices), "TP": str(tp)}  # fmt: skip
     proc = subprocess.run([sys.executable, str(worker), str(out), *args], capture_output=True, text=True,
                           timeout=900, cwd=tmp_path, env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    if devices > 1:
+        return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(devices)]
     return json.loads(out.read_text())
 
 
@@ -55,3 +58,19 @@ def test_nemo_checkpoint_resume_continues_stage_quantizers_and_losses(tmp_path):
     # and the same losses as the uninterrupted run
     for step in ("4", "5", "6"):  # global step after each optimizer step
         assert resumed["losses"][step] == pytest.approx(full["losses"][step], rel=1e-6), (step, resumed, full)
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["data-parallel", "tensor-parallel"])
+def test_two_process_run_keeps_stage_and_amax_identical_across_ranks(tmp_path, tp):
+    """Two gloo processes (DP 2, or TP 2): every rank switches at the same step and ends with the same
+    per-tensor amax. Under TP the weight shards differ, so equal amax means they were synced."""
+    pytest.importorskip("nemo.collections.llm")
+    r0, r1 = _run(tmp_path, f"ranks-tp{tp}", devices=2, tp=tp)
+    assert r0["tp"] == r1["tp"] == tp
+    bits = [[4, 3], [4, 3], [2, 1], [2, 1]]
+    assert [s["num_bits"] for s in r0["seen"]] == [s["num_bits"] for s in r1["seen"]] == bits
+    assert r0["history"] == r1["history"] and [e["to"] for e in r0["history"]] == ["nvfp4"]
+    assert r0["amax"] and r0["amax"].keys() == r1["amax"].keys()
+    assert any(".weight_quantizer" in n for n in r0["amax"]) and any(".input_quantizer" in n for n in r0["amax"])
+    assert {n: v for n, v in r0["amax"].items() if len(v) == 1} == {n: v for n, v in r1["amax"].items() if len(v) == 1}
+    assert r0["losses"] == r1["losses"] and all(math.isfinite(x) for x in r0["losses"].values())

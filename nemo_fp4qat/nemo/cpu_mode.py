@@ -2,7 +2,8 @@
 
 megatron-core and NeMo's Megatron path assume CUDA in a handful of places
 (``torch.cuda.current_device()`` for buffers and rotary embeddings, CUDA RNG tracker forks,
-``torch.cuda.Stream``, ``torch.cuda.synchronize``, ``.cuda()`` / ``device="cuda"`` tensors). Inside
+``torch.cuda.Stream``, ``torch.cuda.synchronize``, ``.cuda()`` / ``device="cuda"`` tensors, config
+checks that demand Transformer Engine for the kernel fusions NeMo's model configs enable). Inside
 ``with megatron_cpu_mode():`` those are answered with the CPU so a tiny model can be trained,
 checkpointed and quantized on a laptop or in CI to smoke-test QAT configs.
 
@@ -80,6 +81,28 @@ def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
             setattr(obj, name, old)
 
 
+# Kernel fusions that need Transformer Engine, Apex or CUDA kernels. Turning them off changes only
+# how the same math is computed, so a stock NeMo config (``LlamaConfig`` enables several) builds on a CPU.
+CUDA_FUSIONS = (
+    "apply_rope_fusion",
+    "bias_activation_fusion",
+    "masked_softmax_fusion",
+    "persist_layer_norm",
+    "bias_dropout_fusion",
+    "gradient_accumulation_fusion",
+)
+
+
+def _fusions_off(post_init: Any) -> Any:
+    def __post_init__(self: Any) -> None:
+        for name in CUDA_FUSIONS:
+            if getattr(self, name, False):
+                setattr(self, name, False)
+        post_init(self)
+
+    return __post_init__
+
+
 def cpu_mode_active() -> bool:
     return _ACTIVE
 
@@ -115,6 +138,11 @@ def megatron_cpu_mode() -> Iterator[bool]:
                 _patched(mrandom.CudaRNGStatesTracker, "fork", lambda self, name=None: contextlib.nullcontext())
             )
             stack.enter_context(_patched(mrandom, "_set_cuda_rng_state", lambda *a, **k: None))
+            from megatron.core.transformer.transformer_config import TransformerConfig
+
+            stack.enter_context(
+                _patched(TransformerConfig, "__post_init__", _fusions_off(TransformerConfig.__post_init__))
+            )
         except ImportError:  # megatron-core not installed: torch-level patches only
             pass
         try:
@@ -123,6 +151,12 @@ def megatron_cpu_mode() -> Iterator[bool]:
             # NeMo's dist-checkpoint load asserts CUDA is initialised to move tensors to the current
             # GPU; on a CPU they are already where they belong.
             stack.enter_context(_patched(nemo_io_pl, "_fix_tensors_device", lambda ckpt: ckpt))
+            from nemo.lightning.pytorch.callbacks.progress_printer import ProgressPrinter
+
+            # NeMo's progress printer gathers megatron's timers from every rank, but only rank 0 prints
+            # (Lightning disables progress bars elsewhere): an all-gather only rank 0 enters, which
+            # blocks a multi-process gloo run for good. No timer summary on CPU.
+            stack.enter_context(_patched(ProgressPrinter, "log_megatron_timers", lambda self, timers: None))
         except ImportError:  # NeMo not installed
             pass
         stack.enter_context(_CudaToCpu())

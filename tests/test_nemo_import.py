@@ -1,0 +1,48 @@
+"""The demo model through NeMo (#4): SmolLM2-135M imported from its local files into a NeMo Llama
+checkpoint (NeMo's HF importer, megatron CPU mode), cached; logits match Hugging Face's; the same
+policy quantizes NeMo's fused layers exactly like the HF siblings."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.nemo
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    pytest.importorskip("nemo")
+    cache = os.environ.get("NEMO_FP4QAT_CACHE") or str(Path.home() / ".cache" / "nemo_fp4qat")
+    worker = [sys.executable, str(ROOT / "tests" / "nemo_import_worker.py"), cache]
+    proc = subprocess.run(worker, capture_output=True, text=True, timeout=1800, cwd=tmp_path_factory.mktemp("import"))
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert proc.returncode == 0 and line, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(line[len("RESULT ") :])
+
+
+def test_imported_logits_match_hugging_face(result):
+    assert result["rel_err"] < 1e-3  # fp32, same tokens
+    assert result["norm_weights_not_one"]  # the local-spec RMSNorm weights were imported, not left at 1.0
+
+
+def test_import_is_cached(result):
+    assert not result["rewritten"]
+    assert result["cached_s"] < result["import_s"] or result["import_s"] < 1.0  # second call: no conversion
+
+
+def test_policy_quantizes_nemo_and_hf_alike(result):
+    # NeMo fuses q/k/v and gate/up: fewer modules, same formats per group
+    assert set(result["nemo_table"]) == set(result["hf_table"]) == {"attention:mxfp8/mxfp8", "mlp:nvfp4/nvfp4"}
+    assert result["layer0_fc1_changed"] > 0  # the quantizer does change the weights...
+    assert result["layer0_fc1_max_diff"] == 0.0 and result["layer0_fc2_max_diff"] == 0.0  # ...identically
+    loss = result["loss"]
+    cost = loss["hf_quant"] - loss["hf"]
+    assert cost > 0.05  # FP4 costs this model something measurable
+    assert abs(loss["nemo_quant"] - loss["hf_quant"]) < 0.1 * cost
