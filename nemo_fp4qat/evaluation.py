@@ -24,6 +24,7 @@ from .formats import format_of_quantizer
 
 __all__ = [
     "EvalResult",
+    "choice_log_likelihoods",
     "evaluate",
     "load_mc_tasks",
     "multiple_choice_accuracy",
@@ -94,25 +95,32 @@ def load_mc_tasks(path: str | Path) -> list[dict[str, Any]]:
 
 
 @torch.no_grad()
+def choice_log_likelihoods(model: nn.Module, tokenizer: Any, task: dict[str, Any]) -> list[tuple[float, int]]:
+    """(total log-likelihood, token count) of each choice's tokens given the task's input."""
+    device = next(model.parameters()).device
+    ctx = tokenizer(task["input"], add_special_tokens=False)["input_ids"]
+    conts = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in task["choices"]]
+    # all choices in one batch, right-padded: a causal model's scores of real tokens ignore the padding
+    ids = torch.zeros(len(conts), len(ctx) + max(len(c) for c in conts), dtype=torch.long, device=device)
+    for i, c in enumerate(conts):
+        ids[i, : len(ctx) + len(c)] = torch.tensor(ctx + c, device=device)
+    logp = torch.log_softmax(_logits(model, ids)[:, :-1].float(), dim=-1)
+    out = []
+    for i, c in enumerate(conts):
+        pos = torch.arange(len(ctx) - 1, len(ctx) - 1 + len(c), device=device)
+        out.append((float(logp[i, pos, ids[i, pos + 1]].sum()), len(c)))
+    return out
+
+
 def multiple_choice_accuracy(model: nn.Module, tokenizer: Any, tasks: Iterable[dict[str, Any]]) -> dict[str, float]:
     """Accuracy choosing, per task, the choice with the highest total log-likelihood given the input
     (``acc``) and with the highest per-token log-likelihood (``acc_norm``)."""
-    device = next(model.parameters()).device
     model.eval()
     correct = correct_norm = n = 0
     for t in tasks:
-        ctx = tokenizer(t["input"], add_special_tokens=False)["input_ids"]
-        scores, norm = [], []
-        for choice in t["choices"]:
-            cont = tokenizer(choice, add_special_tokens=False)["input_ids"]
-            ids = torch.tensor([ctx + cont], device=device)
-            logp = torch.log_softmax(_logits(model, ids)[0, :-1].float(), dim=-1)
-            tgt = ids[0, 1:]
-            lp = logp[torch.arange(len(tgt)), tgt][len(ctx) - 1 :]
-            scores.append(float(lp.sum()))
-            norm.append(float(lp.mean()))
-        correct += int(max(range(len(scores)), key=scores.__getitem__) == t["answer"])
-        correct_norm += int(max(range(len(norm)), key=norm.__getitem__) == t["answer"])
+        ll = choice_log_likelihoods(model, tokenizer, t)
+        correct += int(max(range(len(ll)), key=lambda i: ll[i][0]) == t["answer"])
+        correct_norm += int(max(range(len(ll)), key=lambda i: ll[i][0] / ll[i][1]) == t["answer"])
         n += 1
     return {"acc": correct / max(1, n), "acc_norm": correct_norm / max(1, n), "n": n}
 

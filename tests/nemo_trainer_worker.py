@@ -34,16 +34,7 @@ if __name__ == "__main__":
         from megatron.core.optimizer import OptimizerConfig
         from nemo.collections import llm
         from nemo.collections.common.tokenizers.bytelevel_tokenizers import ByteLevelTokenizer
-        from nemo.collections.llm.gpt.data import mock
 
-        # NeMo 2.7.3 bug: MockDataModule passes create_attention_mask positionally into `seed`, so
-        # without Transformer Engine no causal mask is made. Re-route the flag (test-side workaround).
-        orig_init = mock._MockGPTDataset.__init__
-
-        def init(self, tokenizer, name, num_samples, seq_length, seed=42, create_attention_mask=False):
-            orig_init(self, tokenizer, name, num_samples, seq_length, 42, bool(seed) or create_attention_mask)
-
-        mock._MockGPTDataset.__init__ = init
         torch.manual_seed(1234)
 
         cfg = llm.GPTConfig(

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_utils import free_port
+
 pytestmark = pytest.mark.nemo
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,7 +23,9 @@ def result(tmp_path_factory):
     pytest.importorskip("nemo")
     cache = os.environ.get("NEMO_FP4QAT_CACHE") or str(Path.home() / ".cache" / "nemo_fp4qat")
     worker = [sys.executable, str(ROOT / "tests" / "nemo_import_worker.py"), cache]
-    proc = subprocess.run(worker, capture_output=True, text=True, timeout=1800, cwd=tmp_path_factory.mktemp("import"))
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # NeMo's importer inits dist
+    proc = subprocess.run(worker, capture_output=True, text=True, timeout=1800, cwd=tmp_path_factory.mktemp("import"),
+                          env=env)  # fmt: skip
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(line[len("RESULT ") :])

@@ -3,6 +3,7 @@ and the Slurm example builds and dry-runs (sbatch script with the container and 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from importlib import metadata
@@ -61,3 +62,38 @@ def test_full_llama_finetune_config_resolves():
     assert (p.trainer.max_steps, p.optim.config.lr) == (2000, 1e-5)
     qat = next(c for c in p.trainer.callbacks if c.__fn_or_cls__ is NeMoFP4QATCallback)
     assert qat.policy == "trtllm_mixed" and qat.schedule == "progressive"
+
+
+def test_recipe_with_qat_runs_through_local_executor_on_cpu(tmp_path, monkeypatch):
+    """A NeMo recipe (shrunk to a tiny Llama) + ``with_fp4_qat`` launched by NeMo-Run's LocalExecutor in a
+    process of its own, in CPU mode via ``on_cpu``: it trains, calibrates and switches to NVFP4."""
+    run = pytest.importorskip("nemo_run")
+    import nemo.lightning as nl
+    from nemo.collections import llm
+    from nemo.collections.common.tokenizers.bytelevel_tokenizers import ByteLevelTokenizer
+    from nemo_run import config as run_config
+
+    from nemo_fp4qat.nemo import on_cpu, with_fp4_qat
+
+    monkeypatch.setattr(run_config, "_NEMORUN_HOME", str(tmp_path / "nemo_run"))
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}:{os.environ['PATH']}")  # the executor runs `python`
+    recipe = llm.llama32_1b.pretrain_recipe(name="qat", dir=str(tmp_path / "out"), num_nodes=1, num_gpus_per_node=1)
+    recipe.model.config = run.Config(llm.LlamaConfig, num_layers=2, hidden_size=64, ffn_hidden_size=128,
+                                     num_attention_heads=4, num_query_groups=2, seq_length=32)  # fmt: skip
+    recipe.data = run.Config(llm.MockDataModule, seq_length=32, global_batch_size=2, micro_batch_size=2,
+                             num_workers=0, pin_memory=False, tokenizer=run.Config(ByteLevelTokenizer))  # fmt: skip
+    recipe.trainer.accelerator = "cpu"
+    recipe.trainer.max_steps = 4
+    recipe.trainer.limit_val_batches = 0
+    recipe.trainer.strategy.ckpt_async_save = False
+    recipe.trainer.plugins = run.Config(nl.MegatronMixedPrecision, precision="32")
+    recipe.optim.config.bf16 = False
+    recipe.optim.config.use_distributed_optimizer = False
+    with_fp4_qat(recipe, schedule={"stages": [{"start": 0, "format": "fp8"}, {"start": 2, "format": "target"}]},
+                 calibration=4)  # fmt: skip
+    run.run(on_cpu(recipe), executor=run.LocalExecutor(), name="qat-cpu")
+    jobs = list((tmp_path / "nemo_run" / "experiments").rglob("SUCCESS"))
+    logs = "".join(p.read_text() for p in (tmp_path / "nemo_run" / "experiments").rglob("combined.log"))
+    assert jobs, logs[-5000:]
+    assert "calibrated on 4 samples" in logs and "step 2: mlp fp8 -> nvfp4" in logs
+    assert "`max_steps=4` reached" in logs

@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from megatron_utils import free_port
 
 pytestmark = pytest.mark.nemo
 
@@ -19,9 +20,7 @@ pytestmark = pytest.mark.nemo
 def _run(tmp_path, name, *args, steps=4, devices=1, tp=1):
     out = tmp_path / f"{name}.json"
     worker = Path(__file__).parent / "nemo_trainer_worker.py"
-    with socket.socket() as sock:  # a fresh port: this pytest process may already hold MASTER_PORT
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # a fresh port: this pytest process may already hold MASTER_PORT
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "STEPS": str(steps),
            "DEVICES": str(devices), "TP": str(tp)}  # fmt: skip
     proc = subprocess.run([sys.executable, str(worker), str(out), *args], capture_output=True, text=True,

@@ -4,13 +4,20 @@ from __future__ import annotations
 
 from .callback import NeMoFP4QATCallback, megatron_module, nemo_gpt_forward
 from .cpu_mode import cpu_mode_active, megatron_cpu_mode
+from .cpu_task import on_cpu
+from .hf_import import import_hf_llama, load_nemo_llama, megatron_logits, smollm2_nemo_checkpoint
 from .recipes import with_fp4_qat
 
 __all__ = [
     "NeMoFP4QATCallback",
     "cpu_mode_active",
+    "import_hf_llama",
+    "load_nemo_llama",
     "megatron_cpu_mode",
+    "megatron_logits",
     "megatron_module",
     "nemo_gpt_forward",
+    "on_cpu",
+    "smollm2_nemo_checkpoint",
     "with_fp4_qat",
 ]

@@ -103,6 +103,34 @@ def _fusions_off(post_init: Any) -> Any:
     return __post_init__
 
 
+def _clip_grads_on_cpu(parameters: Any, max_norm: float, total_norm: float, use_decoupled_grad: bool = False) -> None:
+    """megatron's ``clip_grad_by_total_norm_fp32`` (same scaling) without its CUDA-tensor assertion."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff < 1.0:
+        for p in parameters:
+            grad = getattr(p, "decoupled_grad", None) if use_decoupled_grad else p.grad
+            if grad is not None:
+                grad.detach().mul_(coeff)
+
+
+def _mock_dataset_with_mask(mock: Any) -> Any:
+    """NeMo's ``MockDataModule`` datasets with the attention mask megatron needs without Transformer Engine.
+
+    NeMo 2.7.3's ``MockDataModule`` passes its ``create_attention_mask`` flag positionally into the
+    dataset's ``seed`` parameter, so no mask is made and NeMo's GPT step then refuses to run without TE.
+    """
+    orig = mock._MockGPTDataset.__init__
+
+    def __init__(self, tokenizer, name, num_samples, seq_length, seed=42, create_attention_mask=False):
+        if isinstance(seed, bool):  # the flag arrived in `seed`
+            seed = 42
+        orig(self, tokenizer, name, num_samples, seq_length, seed, True)
+
+    return __init__
+
+
 def cpu_mode_active() -> bool:
     return _ACTIVE
 
@@ -138,7 +166,10 @@ def megatron_cpu_mode() -> Iterator[bool]:
                 _patched(mrandom.CudaRNGStatesTracker, "fork", lambda self, name=None: contextlib.nullcontext())
             )
             stack.enter_context(_patched(mrandom, "_set_cuda_rng_state", lambda *a, **k: None))
+            from megatron.core.optimizer import optimizer as moptimizer
             from megatron.core.transformer.transformer_config import TransformerConfig
+
+            stack.enter_context(_patched(moptimizer, "clip_grad_by_total_norm_fp32", _clip_grads_on_cpu))
 
             stack.enter_context(
                 _patched(TransformerConfig, "__post_init__", _fusions_off(TransformerConfig.__post_init__))
@@ -157,6 +188,9 @@ def megatron_cpu_mode() -> Iterator[bool]:
             # (Lightning disables progress bars elsewhere): an all-gather only rank 0 enters, which
             # blocks a multi-process gloo run for good. No timer summary on CPU.
             stack.enter_context(_patched(ProgressPrinter, "log_megatron_timers", lambda self, timers: None))
+            from nemo.collections.llm.gpt.data import mock
+
+            stack.enter_context(_patched(mock._MockGPTDataset, "__init__", _mock_dataset_with_mask(mock)))
         except ImportError:  # NeMo not installed
             pass
         stack.enter_context(_CudaToCpu())
