@@ -71,28 +71,46 @@ if __name__ == "__main__":
             calibration=4,
         )
         seen: list[dict] = []
+        marks: dict[str, list[float]] = {}
         losses: dict[int, float] = {}
 
         def fc1_of(pl_module):
             return megatron_module(pl_module).decoder.layers[0].mlp.linear_fc1
 
+        def fingerprint(pl_module):
+            w = fc1_of(pl_module).weight.detach().double()
+            return [float(w.sum()), *w.flatten()[:4].tolist()]
+
         class Probe(pl.Callback):
+            def on_train_start(self, trainer, pl_module):
+                marks["start_fc1"] = fingerprint(pl_module)  # after any restore, before the first step
+
             def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-                q = fc1_of(pl_module).weight_quantizer
+                q = getattr(fc1_of(pl_module), "weight_quantizer", None)
+                if q is None:  # pretrain mode: no QAT
+                    return
                 seen.append({"step": trainer.global_step, "num_bits": list(q.num_bits),
                              "block": (q.block_sizes or {}).get(-1), "amax": float(q.amax)})  # fmt: skip
 
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
                 losses[trainer.global_step] = float(trainer.callback_metrics["reduced_train_loss"])
-                if mode == "first" and trainer.global_step == STEPS // 2:
+                if mode in ("first", "pretrain") and trainer.global_step == STEPS // 2:
+                    marks["saved_fc1"] = fingerprint(pl_module)
                     trainer.save_checkpoint(ckpt)  # inside fit, where NeMo's ModelCheckpoint saves
 
-        max_steps = STEPS // 2 if mode == "first" else STEPS
+        max_steps = STEPS // 2 if mode in ("first", "pretrain") else STEPS
         strategy = nl.MegatronStrategy(ckpt_async_save=False, tensor_model_parallel_size=TP)
         trainer = nl.Trainer(accelerator="cpu", devices=DEVICES, max_steps=max_steps, strategy=strategy,
-                             plugins=nl.MegatronMixedPrecision(precision="32"), callbacks=[qat, Probe()], logger=False,
+                             plugins=nl.MegatronMixedPrecision(precision="32"), logger=False,
+                             callbacks=[Probe()] if mode == "pretrain" else [qat, Probe()],
                              enable_checkpointing=False, limit_val_batches=0, log_every_n_steps=1)  # fmt: skip
+        if mode == "finetune":  # QAT from a checkpoint trained without it, the way NeMo recipes load a base model
+            nl.AutoResume(restore_config=nl.RestoreConfig(path=ckpt, load_artifacts=False)).setup(trainer, model)
         trainer.fit(model, data, ckpt_path=ckpt if mode == "resume" else None)
+        if mode == "pretrain":
+            with open(out, "w") as f:
+                json.dump(marks, f)
+            sys.exit(0)
         final_q = fc1_of(model).weight_quantizer
         rank = torch.distributed.get_rank() if DEVICES > 1 else 0
         amax = {n: m.amax.flatten().tolist() for n, m in megatron_module(model).named_modules()
@@ -101,6 +119,6 @@ if __name__ == "__main__":
             from megatron.core import parallel_state
 
             tp = parallel_state.get_tensor_model_parallel_world_size()
-            json.dump({"tp": tp, "amax": amax, "seen": seen, "history": qat.controller.history,
+            json.dump({**marks, "tp": tp, "amax": amax, "seen": seen, "history": qat.controller.history,
                        "calibrated": qat.controller.calibrated, "losses": losses, "final_amax": float(final_q.amax),
                        "final_num_bits": list(final_q.num_bits)}, f)  # fmt: skip

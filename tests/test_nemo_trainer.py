@@ -73,3 +73,16 @@ def test_two_process_run_keeps_stage_and_amax_identical_across_ranks(tmp_path, t
     assert any(".weight_quantizer" in n for n in r0["amax"]) and any(".input_quantizer" in n for n in r0["amax"])
     assert {n: v for n, v in r0["amax"].items() if len(v) == 1} == {n: v for n, v in r1["amax"].items() if len(v) == 1}
     assert r0["losses"] == r1["losses"] and all(math.isfinite(x) for x in r0["losses"].values())
+
+
+def test_qat_fine_tune_restores_a_base_checkpoint_saved_without_quantizers(tmp_path):
+    """The NeMo recipe path: a base model trained and saved without QAT (stacked-layer dist-checkpoint),
+    restored by ``AutoResume(restore_config=RestoreConfig(...))`` into a model the callback has already
+    quantized (modelopt switches it to per-layer checkpoint keys). The weights must arrive, then QAT runs."""
+    pytest.importorskip("nemo.collections.llm")
+    ckpt = tmp_path / "base"
+    base = _run(tmp_path, "pretrain", "pretrain", str(ckpt), steps=4)
+    ft = _run(tmp_path, "finetune", "finetune", str(ckpt), steps=4)
+    assert ft["start_fc1"] == base["saved_fc1"]  # the base weights, not a fresh initialisation
+    assert [s["num_bits"] for s in ft["seen"]] == [[4, 3], [4, 3], [2, 1], [2, 1]]
+    assert ft["calibrated"] and all(math.isfinite(x) for x in ft["losses"].values())

@@ -9,6 +9,9 @@ batches NeMo's data modules yield (``tokens``, ``position_ids``, ``attention_mas
 
 from __future__ import annotations
 
+import contextlib
+import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,8 @@ from ..callback import CHECKPOINT_KEY, FP4QATCallback
 
 __all__ = ["NeMoFP4QATCallback", "megatron_module", "nemo_gpt_forward"]
 
+_PER_LAYER_KEY = re.compile(r"\.layers\.\d+\.")
+
 
 def megatron_module(pl_module: nn.Module) -> nn.Module:
     """The megatron-core model inside a NeMo LightningModule, through any strategy wrappers."""
@@ -32,6 +37,35 @@ def megatron_module(pl_module: nn.Module) -> nn.Module:
     while "decoder" not in m._modules and "module" in m._modules:
         m = m._modules["module"]
     return m
+
+
+@contextlib.contextmanager
+def _layer_layout_of(module: nn.Module, checkpoint_path: Any) -> Iterator[None]:
+    """Load with the checkpoint's layer layout, whatever the quantized model would save.
+
+    Quantizing a megatron model makes modelopt set ``config.hetereogenous_dist_checkpoint`` (one
+    checkpoint entry per layer), while a model saved without quantizers stacks its layers
+    (``decoder.layers.<name>`` with a layer axis). Fine-tuning with QAT from such a checkpoint, the
+    way NeMo recipes restore a base model, would otherwise ask it for per-layer keys it does not have.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.transformer.module import MegatronModule
+    from nemo.lightning.io.pl import ckpt_to_weights_subdir
+
+    weights = ckpt_to_weights_subdir(checkpoint_path, is_saving=False)
+    if not Path(weights, "metadata.json").exists():
+        yield
+        return
+    per_layer = any(_PER_LAYER_KEY.search(k) for k in dist_checkpointing.load_tensors_metadata(str(weights)))
+    configs = {id(m.config): m.config for m in module.modules() if isinstance(m, MegatronModule)}
+    saved = {k: getattr(c, "hetereogenous_dist_checkpoint", False) for k, c in configs.items()}
+    for c in configs.values():
+        c.hetereogenous_dist_checkpoint = per_layer
+    try:
+        yield
+    finally:
+        for k, c in configs.items():
+            c.hetereogenous_dist_checkpoint = saved[k]
 
 
 def nemo_gpt_forward(model: nn.Module, batch: dict[str, Any]) -> Any:
@@ -64,7 +98,8 @@ class NeMoFP4QATCallback(FP4QATCallback):
 
         def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
             self.match_checkpoint(pl_module, checkpoint_path)
-            return original(checkpoint_path, *args, **kwargs)
+            with _layer_layout_of(self.target_module(pl_module), checkpoint_path):
+                return original(checkpoint_path, *args, **kwargs)
 
         trainer.strategy.load_checkpoint = load_checkpoint
 
