@@ -8,6 +8,7 @@ since each rank saw different samples).
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -159,8 +160,17 @@ def _tp_size(module: nn.Module) -> int:
     return group.world_size() if group is not None else -1
 
 
+def _same_layers_group() -> Any:
+    """The ranks that hold the same layers: all of them, except under megatron pipeline parallelism,
+    where each stage numbers its own layers from 0 (same names, different layers)."""
+    ps = sys.modules.get("megatron.core.parallel_state")  # no megatron imported: no megatron model here
+    if ps is not None and ps.model_parallel_is_initialized() and ps.get_pipeline_model_parallel_world_size() > 1:
+        return ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    return None  # the default (world) group
+
+
 def sync_amax_across_ranks(model: nn.Module) -> int:
-    """All-reduce (MAX) quantizer amax across the default process group. Returns the count.
+    """All-reduce (MAX) quantizer amax across the ranks holding the same layers. Returns the count.
 
     A per-tensor amax (one value: NVFP4's global scale, FP8, per-tensor INT8) is the max over the
     whole tensor, so MAX over every rank is right under data *and* tensor parallelism. A per-channel
@@ -188,21 +198,22 @@ def sync_amax_across_ranks(model: nn.Module) -> int:
     ]  # fmt: skip
     # Check first that every rank holds the same amax buffers: a mismatch would otherwise hang the
     # collective below with no message.
+    group = _same_layers_group()
     mine = [(name, tuple(a.shape)) for name, a in entries]
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
     for rank, theirs in enumerate(everyone):
         if theirs != mine:
             diff = sorted(set(mine) ^ set(theirs))[:6]
             raise RuntimeError(
-                f"Rank {dist.get_rank()} and rank {rank} hold different quantizer amax buffers ({len(mine)} vs "
-                f"{len(theirs)}; first differences {diff}). Every rank must prepare and calibrate the same "
-                "model with the same policy and schedule."
+                f"Rank {dist.get_rank()} and rank {rank} of its group hold different quantizer amax buffers "
+                f"({len(mine)} vs {len(theirs)}; first differences {diff}). Every rank must prepare and "
+                "calibrate the same model with the same policy and schedule."
             )
     if not entries:
         return 0
     flat = torch.cat([a.detach().float().flatten() for _, a in entries])
-    dist.all_reduce(flat, op=dist.ReduceOp.MAX)  # one collective for the whole model
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)  # one collective for the whole model
     offset = 0
     for _, a in entries:
         a.data.copy_(flat[offset : offset + a.numel()].view_as(a))

@@ -1,0 +1,81 @@
+"""Cross-rank amax sync on two real gloo processes: MAX of every per-tensor and per-channel amax, and a
+clear error (not a hang) when the ranks hold different quantizers."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+
+def _model(rank: int, mismatch: bool) -> nn.Module:
+    from nemo_fp4qat import QATController
+    from nemo_fp4qat.calibration import run_calibration
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 4))
+    # layer 0: INT8 weight-only, per-output-channel amax; layer 1: FP8 weights + inputs, per-tensor amax
+    policy = {"name": "t", "rules": [{"patterns": ["1"], "weight": "fp8"}], "default": "int8_wo"}
+    QATController(policy=policy).prepare(m)
+    run_calibration(m, [torch.randn(4, 16)], "max", lambda mm, b: mm(b))  # modelopt syncs these already
+    g = torch.Generator().manual_seed(100 + rank)
+    for q in m.modules():
+        if getattr(q, "_amax", None) is not None:  # amax that drifted apart per rank (e.g. weights recomputed)
+            q.amax = torch.rand(q.amax.shape, generator=g) + 0.5
+    if mismatch and rank == 1:
+        m[1].input_quantizer.reset_amax()  # this rank lost a quantizer's amax
+    return m
+
+
+def _worker(rank: int, init: str, mode: str, out: dict) -> None:
+    from nemo_fp4qat.calibration import sync_amax_across_ranks
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        m = _model(rank, mismatch=(mode == "mismatch"))
+        before = {n: q.amax.clone() for n, q in m.named_modules() if hasattr(q, "_amax") and q.amax is not None}
+        try:
+            n = sync_amax_across_ranks(m)
+        except RuntimeError as e:
+            out[rank] = {"error": str(e)}
+            return
+        after = {n: q.amax.clone() for n, q in m.named_modules() if hasattr(q, "_amax") and q.amax is not None}
+        out[rank] = {"n": n, "before": before, "after": after}
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(tmp_path, mode):
+    out = mp.Manager().dict()
+    ctx = mp.spawn(_worker, args=(f"file://{tmp_path / 'store'}", mode, out), nprocs=2, join=False)
+    deadline = time.time() + 300  # a broken sync hangs in the collective: fail instead of waiting forever
+    while not ctx.join(timeout=5):
+        if time.time() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("the two ranks hung in the amax sync")
+    return dict(out)
+
+
+def test_amax_becomes_the_max_over_ranks_per_tensor_and_per_channel(tmp_path):
+    pytest.importorskip("modelopt")
+    res = _run(tmp_path, "same")
+    r0, r1 = res[0], res[1]
+    assert r0["n"] == r1["n"] == len(r0["before"]) == 3  # layer 0 weight, layer 1 weight and input
+    for name in r0["before"]:
+        expect = torch.maximum(r0["before"][name], r1["before"][name])
+        assert not torch.equal(r0["before"][name], r1["before"][name])  # the ranks really differed
+        assert torch.equal(r0["after"][name], expect) and torch.equal(r1["after"][name], expect)
+    assert r0["before"]["0.weight_quantizer"].numel() == 8  # per-channel amax took part too
+
+
+def test_ranks_with_different_quantizers_get_an_error_naming_the_cause(tmp_path):
+    pytest.importorskip("modelopt")
+    res = _run(tmp_path, "mismatch")
+    for r in (0, 1):
+        assert "hold different quantizer amax buffers" in res[r]["error"]
+        assert "same policy and schedule" in res[r]["error"]
