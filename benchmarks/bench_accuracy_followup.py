@@ -8,7 +8,7 @@ column for the main rows of ``bench_accuracy.py``.
    chance 0.25) for the original model, the BF16 fine-tune, its PTQ, our progressive QAT and
    modelopt's plain QAT (same data, steps and settings as ``bench_accuracy.py``).
 
-Run: ``.venv-core/bin/python benchmarks/bench_accuracy_followup.py`` (about 25 minutes on 2 cores).
+Run: ``.venv-core/bin/python benchmarks/bench_accuracy_followup.py`` (about 40 minutes on 2 cores).
 """
 
 from __future__ import annotations
