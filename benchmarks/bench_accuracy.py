@@ -17,13 +17,11 @@ import time
 import warnings
 from pathlib import Path
 
-import torch
+from accuracy_data import load_accuracy_data
 from common import RESULTS_DIR, machine
 
-from nemo_fp4qat import FP4QATCallback, QATController
-from nemo_fp4qat.demo import DemoConfig, _train, _windows
-from nemo_fp4qat.demo_model import load_corpus, load_smollm2
-from nemo_fp4qat.evaluation import evaluate
+from nemo_fp4qat import FP4QATCallback
+from nemo_fp4qat.demo import DemoConfig, _train
 from nemo_fp4qat.quality_gate import recovery
 
 PRESETS = ["fp_embeddings", "aggressive_mlp", "conservative_attention", "trtllm_mixed"]
@@ -37,31 +35,13 @@ def main() -> None:
     cfg = DemoConfig()
     pl.seed_everything(cfg.seed)
     out = Path("runs/bench_accuracy")
-    base, tok = load_smollm2()
-    train_ids = tok(load_corpus("emma"))["input_ids"]
-    val = torch.tensor(tok(load_corpus("persuasion"))["input_ids"][: cfg.eval_window * cfg.eval_windows])
-    train = _windows(train_ids, 0, cfg.seq_len)
-    train = train[torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.seed))][
-        : cfg.steps * cfg.batch_size
-    ]
-    calib = list(_windows(train_ids[len(train_ids) // 2 :], cfg.calib_samples, cfg.seq_len)[:, :-1].split(8))
+    data = load_accuracy_data(cfg)
+    base, train, calib, ppl, ptq = data.base, data.train, data.calib, data.ppl, data.ptq
     rows: dict[str, dict] = {}
-
-    def ppl(model) -> float:
-        return evaluate(model, val, window=cfg.eval_window).as_dict()["ppl"]
 
     def record(name: str, model, t0: float, **info) -> None:
         rows[name] = {"ppl": ppl(model), "train_s": time.time() - t0, **info}
         print(f"{name}: {rows[name]}", flush=True)
-
-    def ptq(model, policy: str):
-        m = copy.deepcopy(model)
-        ctl = QATController(
-            policy=policy, schedule="direct", calibration=cfg.calib_samples, forward_fn=lambda x, b: x(b)
-        )
-        ctl.prepare(m)
-        ctl.calibrate(m, calib)
-        return m
 
     def ours(name: str, start, policy="default", schedule="direct", distill=None, teacher_note="") -> None:
         m = copy.deepcopy(start)

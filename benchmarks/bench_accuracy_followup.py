@@ -18,14 +18,13 @@ import json
 import warnings
 from pathlib import Path
 
-import torch
+from accuracy_data import load_accuracy_data
 from common import RESULTS_DIR, machine
 
-from nemo_fp4qat import FP4QATCallback, QATController
+from nemo_fp4qat import FP4QATCallback
 from nemo_fp4qat.cloze_tasks import next_sentence_tasks
-from nemo_fp4qat.demo import DemoConfig, _train, _windows
-from nemo_fp4qat.demo_model import load_corpus, load_smollm2
-from nemo_fp4qat.evaluation import evaluate, multiple_choice_accuracy
+from nemo_fp4qat.demo import DemoConfig, _train
+from nemo_fp4qat.evaluation import multiple_choice_accuracy
 from nemo_fp4qat.policy import POLICY_PRESETS
 
 MC_TASKS = 100
@@ -61,26 +60,9 @@ def main() -> None:
     cfg = DemoConfig()
     pl.seed_everything(cfg.seed)
     out = Path("runs/bench_accuracy_followup")
-    base, tok = load_smollm2()
-    train_ids = tok(load_corpus("emma"))["input_ids"]
-    book = load_corpus("persuasion")
-    val = torch.tensor(tok(book)["input_ids"][: cfg.eval_window * cfg.eval_windows])
-    tasks = next_sentence_tasks(book, n=MC_TASKS, seed=cfg.seed)
-    train = _windows(train_ids, 0, cfg.seq_len)
-    train = train[torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.seed))][
-        : cfg.steps * cfg.batch_size
-    ]
-    calib = list(_windows(train_ids[len(train_ids) // 2 :], cfg.calib_samples, cfg.seq_len)[:, :-1].split(8))
-
-    def ppl(model) -> float:
-        return evaluate(model, val, window=cfg.eval_window).as_dict()["ppl"]
-
-    def ptq(model, policy):
-        m = copy.deepcopy(model)
-        ctl = QATController(policy=policy, calibration=cfg.calib_samples, forward_fn=lambda x, b: x(b))
-        ctl.prepare(m)
-        ctl.calibrate(m, calib)
-        return m
+    data = load_accuracy_data(cfg)
+    base, tok, train, calib, ppl, ptq = data.base, data.tok, data.train, data.calib, data.ppl, data.ptq
+    tasks = next_sentence_tasks(data.book, n=MC_TASKS, seed=cfg.seed)
 
     ft = copy.deepcopy(base)
     _train(ft, train, cfg, out, [], "finetune")
