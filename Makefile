@@ -5,9 +5,10 @@ PYTHON ?= python3
 QUIET_PIP := { grep -v "^WARNING: Location" || true; }
 CORE := .venv-core
 NEMO := .venv-nemo
+BENCH_SITE := .bench-site
 PIP_QUIET := -q --disable-pip-version-check
 
-.PHONY: demo test test-core test-nemo lint env bench clean
+.PHONY: demo test test-core test-nemo lint env bench bench-accuracy clean
 
 env: $(CORE)/.stamp $(NEMO)/.stamp
 
@@ -45,8 +46,20 @@ test-nemo: $(NEMO)/.stamp
 
 test: lint test-core test-nemo
 
+# Benchmark-only peers (torchao) live in their own folder, on PYTHONPATH for the accuracy bench only:
+# the package, its tests and transformers (which imports torchao when present) never see them.
+$(BENCH_SITE)/.stamp: requirements/bench.txt $(CORE)/.demo-stamp
+	rm -rf $(BENCH_SITE)
+	$(CORE)/bin/pip install $(PIP_QUIET) --no-deps --target $(BENCH_SITE) -r requirements/bench.txt 2>&1 | $(QUIET_PIP)
+	touch $@
+
 bench: $(CORE)/.stamp
 	$(CORE)/bin/python benchmarks/run_all.py
 
+# The accuracy side by side over seeds (#9): about 30 minutes per seed on 2 cores.
+bench-accuracy: $(BENCH_SITE)/.stamp
+	PYTHONPATH=$(BENCH_SITE) $(CORE)/bin/python benchmarks/bench_accuracy_seeds.py
+	$(CORE)/bin/python benchmarks/run_all.py --only-collect
+
 clean:
-	rm -rf $(CORE) $(NEMO) runs .pytest_cache
+	rm -rf $(CORE) $(NEMO) $(BENCH_SITE) runs .pytest_cache

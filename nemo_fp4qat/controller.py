@@ -22,6 +22,7 @@ from .fused_siblings import find_fused_siblings, share_fused_amax
 from .modelopt_compat import apply_quant_cfg, build_quant_cfg, calibration_algorithm
 from .policy import LayerPolicy, PolicyTable, element_bits, is_quantizer
 from .schedule import PrecisionSchedule, effective_format
+from .w4a8_scaling import scale_w4a8_weight_amax
 
 __all__ = ["QATController"]
 
@@ -146,6 +147,7 @@ class QATController:
         if batches is not None:
             self.calib_batches = list(batches)
         run_calibration(model, self.calib_batches, self._algorithm(), self.forward_fn)
+        scale_w4a8_weight_amax(model)
         self._after_calibration(model)
         self.calibrated = True
 
@@ -178,6 +180,7 @@ class QATController:
             q = mods[name]
             if getattr(q, "_amax", None) is not None and q._amax.shape == amax.shape:
                 q._amax.data.copy_(amax)
+        scale_w4a8_weight_amax(model, keep)
         self._after_calibration(model)
 
     # --- the schedule -------------------------------------------------------------------------

@@ -7,9 +7,11 @@ for both checkpoint kinds. Corrupted exports must each be rejected naming the te
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -19,11 +21,14 @@ from nemo_fp4qat.export import (
     MANIFEST_NAME,
     ExportConfig,
     ExportRefused,
+    ExportValidationError,
     export_checkpoint,
     validate_export,
 )
 from nemo_fp4qat.modelopt_compat import uses_list_config
+from nemo_fp4qat.w4a8_scaling import is_w4a8
 
+from reference_numerics import nvfp4_ref
 from tiny_models import VOCAB, tiny_llama
 
 FULL = {"patterns": ["*lm_head*", "*embed*", "*norm*"], "weight": "bf16", "group": "full", "optional": True}
@@ -31,7 +36,7 @@ FULL = {"patterns": ["*lm_head*", "*embed*", "*norm*"], "weight": "bf16", "group
 
 def _qat_model(policy, hidden=128, seed=0, kv_cache=None):
     model = tiny_llama(seed=seed, hidden=hidden)
-    if isinstance(policy, str) and policy not in ("trtllm_mixed", "default"):
+    if isinstance(policy, str) and policy not in ("trtllm_mixed", "default", "nvfp4_w4a8"):
         policy = LayerPolicy(rules=[FULL], default=policy, kv_cache=kv_cache)
     elif kv_cache:
         policy = LayerPolicy.preset(policy)
@@ -47,6 +52,8 @@ def _qat_model(policy, hidden=128, seed=0, kv_cache=None):
     return model
 
 
+W4A8_EXPORTER = pytest.mark.skipif(not uses_list_config(), reason="modelopt 0.37's W4A8 export is refused up front")
+W4A16_NVFP4 = LayerPolicy(rules=[FULL, {"patterns": ["*_proj"], "weight": "nvfp4", "input": None}], default=None)
 EXPECTED_ALGO = {"nvfp4": "NVFP4", "fp8": "FP8", "int8_sq": "W8A8_SQ_PER_CHANNEL", "int8_wo": "W8A16",
                  "int4_awq": "W4A16_AWQ", "trtllm_mixed": "MIXED_PRECISION"}  # fmt: skip
 
@@ -74,6 +81,66 @@ def test_export_each_format_validates_against_the_trained_model(tmp_path, fmt, k
     else:
         cfg = json.loads((out / "config.json").read_text())
         assert cfg["quantization_config"]["quant_method"] == "modelopt"
+
+
+def test_w4a8_layers_train_in_the_numerics_trtllm_deploys(tmp_path):
+    # TRT-LLM's W4A8_NVFP4_FP8 kernel: per-tensor weight scale max|w| / 448 (block scales <= 448 / 6)
+    model = _qat_model("nvfp4_w4a8")
+    lin = model.model.layers[0].mlp.down_proj
+    w = lin.weight.detach()
+    assert float(lin.weight_quantizer.amax) == pytest.approx(6 * float(w.abs().max()), rel=1e-6)
+    with torch.no_grad():
+        got = lin.weight_quantizer(w).numpy()
+    want = nvfp4_ref(w.numpy(), amax=float(w.abs().max()) * 6.0)  # global scale = max|w| / 448
+    np.testing.assert_array_equal(got, want)
+    if not uses_list_config():  # modelopt 0.37 writes the W4A4 per-tensor scale: refused, nothing written
+        with pytest.raises(ExportRefused, match="W4A8 kernel needs amax / 448"):
+            export_checkpoint(model, tmp_path / "hf", ExportConfig(kind="hf"))
+        assert list(tmp_path.iterdir()) == []
+        return
+    x = torch.randint(0, VOCAB, (2, 12))
+    with torch.no_grad():
+        before = model(x).logits
+    for kind in ("hf", "trtllm"):
+        out = export_checkpoint(model, tmp_path / kind, ExportConfig(kind=kind))
+        report = json.loads((out / "validation.json").read_text())
+        assert report["ok"] and report["quant_algo"] == "MIXED_PRECISION"
+        assert report["numeric"]["fp4_codes_compared"] > 0 and report["numeric"]["fp4_codes_different"] == 0
+    layers = json.loads((tmp_path / "hf" / "hf_quant_config.json").read_text())["quantization"]["quantized_layers"]
+    assert layers["model.layers.0.mlp.down_proj"]["quant_algo"] == "W4A8_NVFP4_FP8"
+    assert layers["model.layers.0.self_attn.q_proj"]["quant_algo"] == "FP8"
+    t = load_file(str(tmp_path / "hf" / "model.safetensors"))  # the kernel's scale contract
+    assert float(t["model.layers.0.mlp.down_proj.weight_scale_2"]) == pytest.approx(float(w.abs().max()) / 448)
+    assert float(t["model.layers.0.mlp.down_proj.weight_scale"].float().max()) <= 448 / 6
+    with torch.no_grad():  # the training amax is back after the export
+        assert torch.equal(model(x).logits, before)
+
+
+@W4A8_EXPORTER
+def test_w4a8_export_without_the_amax_conversion_is_not_published(tmp_path, monkeypatch):
+    # modelopt exports W4A8 with weight_scale_2 = amax / 448 but fake-quantizes with amax / (6 * 448): handed
+    # the training amax, its block scales round differently; the validator must refuse that checkpoint
+    import nemo_fp4qat.export.exporters as exporters
+
+    model = _qat_model("nvfp4_w4a8")
+    monkeypatch.setattr(exporters, "w4a8_export_amax", lambda m: contextlib.nullcontext())
+    with pytest.raises(ExportValidationError, match="FP4 codes differ from the trained"):
+        export_checkpoint(model, tmp_path / "ckpt", ExportConfig(kind="hf"))
+    assert not (tmp_path / "ckpt").exists()
+
+
+@W4A8_EXPORTER
+def test_w4a8_block_scales_that_overflow_the_kernel_are_refused(tmp_path):
+    # trained without the 6 x amax convention (modelopt's own W4A8 calibration): codes match the export,
+    # but block scales up to 448 overflow the kernel's FP8 weight dequantization (code 6 x 448)
+    model = _qat_model("nvfp4_w4a8")
+    with torch.no_grad():
+        for m in model.modules():
+            if is_w4a8(m):
+                m.weight_quantizer._amax.div_(6.0)
+    with pytest.raises(ExportValidationError, match="kernel's FP8 dequantization"):
+        export_checkpoint(model, tmp_path / "ckpt", ExportConfig(kind="hf"))
+    assert not (tmp_path / "ckpt").exists()
 
 
 def test_nvfp4_packed_layout_and_scale_grid(tmp_path):
@@ -129,6 +196,7 @@ def test_export_does_not_change_the_trained_model(tmp_path):
         ("mxfp4", 128, "trtllm", "mxfp4"),  # dense MXFP4 to TRT-LLM
         ("int4_awq", 64, "pytorch", "not divisible by the int4_awq block size 128"),
         ("mxfp6_e2m3", 128, "pytorch", "no MXFP6 exporter"),
+        (W4A16_NVFP4, 128, "trtllm", "NVFP4 weights with bf16 inputs"),  # no TRT-LLM kernel
     ],
 )
 def test_refused_exports_write_nothing(tmp_path, policy, hidden, runtime, needle):

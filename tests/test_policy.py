@@ -106,3 +106,14 @@ def test_yaml_without_target_and_missing_file(tmp_path):
     assert LayerPolicy.from_yaml(f).default == "fp8"
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LayerPolicy.from_yaml(tmp_path / "nope.yaml")
+
+
+def test_w4a8_preset_keeps_fp4_weights_and_8_bit_inputs():
+    for model, mlp, attn in [
+        (tiny_llama(), "model.layers.0.mlp.down_proj", "model.layers.0.self_attn.q_proj"),
+        (MegatronStyleGPT(), "decoder.layers.0.mlp.linear_fc2", "decoder.layers.0.self_attention.linear_qkv"),
+    ]:
+        for p in (LayerPolicy.preset("nvfp4_w4a8"), LayerPolicy.resolve_spec(str(CONF / "policy" / "nvfp4_w4a8.yaml"))):
+            t = p.resolve(model)
+            assert _fmt(t, mlp) == ("nvfp4", "fp8", "mlp") and _fmt(t, attn) == ("fp8", "fp8", "attention")
+            assert p.target_format == get_format("nvfp4")

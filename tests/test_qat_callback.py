@@ -136,13 +136,14 @@ def _resume_run(tmp_path, make_module, make_callbacks, steps=16, ckpt_every=8):
     return full, resumed, cbs
 
 
-def test_kill_and_resume_matches_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("policy", ["default", "nvfp4_w4a8"])  # W4A8: weight amax held at 6x while training
+def test_kill_and_resume_matches_uninterrupted_run(tmp_path, policy):
     sched = {**SCHED, "ramp_steps": 2}  # a ramp is active across the checkpoint at step 8
     sched["stages"] = [*SCHED["stages"][:2], {"start": 7, "format": "fp6"}, {"start": 11, "format": "target"}]
     full, resumed, cbs = _resume_run(
         tmp_path,
         lambda: LitLM(tiny_llama(seed=1)),
-        lambda: [FP4QATCallback(policy="default", schedule=sched, calibration=16)],
+        lambda: [FP4QATCallback(policy=policy, schedule=sched, calibration=16)],
     )
     assert len(full.losses) == 16 and len(resumed.losses) == 8
     assert resumed.losses == pytest.approx(full.losses[8:], rel=0, abs=0)

@@ -16,6 +16,7 @@ import httpx
 import uvicorn
 
 from nemo_fp4qat.export import ExportConfig, export_checkpoint
+from nemo_fp4qat.modelopt_compat import uses_list_config
 from nemo_fp4qat.serve import PyTorchBackend, ServeSettings, create_app
 
 from tiny_models import VOCAB
@@ -139,3 +140,19 @@ def test_concurrent_load_batches_without_errors(server):
     metrics = httpx.get(f"{url}/metrics", headers=H).text
     batches = int(next(line.split()[1] for line in metrics.splitlines() if line.startswith("fp4qat_batches_total")))
     assert batches < n  # concurrent requests were batched together
+
+
+@pytest.mark.skipif(not uses_list_config(), reason="modelopt 0.37's W4A8 export is refused up front")
+def test_w4a8_export_is_served_with_the_trained_numerics(tmp_path):
+    # NVFP4 weights from their codes and scales, FP8 inputs from the exported input_scale: the logits of
+    # the trained fake-quantized model (float32 throughout)
+    from test_export import _qat_model
+
+    model = _qat_model("nvfp4_w4a8", seed=5)
+    out = export_checkpoint(model, tmp_path / "w4a8", ExportConfig(kind="hf"), tokenizer=_char_tokenizer())
+    backend = PyTorchBackend(out)
+    assert backend.algos["model.layers.0.mlp.down_proj"] == "W4A8_NVFP4_FP8"
+    x = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = model(x).logits, backend.model(x).logits
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (got - want).abs().max()

@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from ..cpu_shims import modelopt_export_on_cpu
+from ..w4a8_scaling import w4a8_export_amax
 from .atomic import atomic_directory, write_manifest
 from .engine_plan import EnginePlan, write_engine_plan
 from .runtime_support import RUNTIMES, preflight
@@ -178,10 +179,12 @@ def export_checkpoint(
     out = Path(out_dir)
     layers = preflight(model, cfg.runtime, cfg.tensor_parallel)
     with atomic_directory(out, overwrite=cfg.overwrite) as tmp:
-        if cfg.kind == "hf":
-            _export_hf(model, tmp, cfg)
-        else:
-            _export_trtllm(model, tmp, cfg)
+        # W4A8 layers train with 6 x amax (w4a8_scaling); modelopt's exporter needs the true amax
+        with w4a8_export_amax(model):
+            if cfg.kind == "hf":
+                _export_hf(model, tmp, cfg)
+            else:
+                _export_trtllm(model, tmp, cfg)
         _save_tokenizer(tokenizer, tmp, cfg.kind, nemo_context)
         formats = sorted({lf.weight.name for lf in layers})
         info = {"final_dir": str(out.resolve()), "formats": formats, "runtime": cfg.runtime}

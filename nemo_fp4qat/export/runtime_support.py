@@ -15,6 +15,7 @@ import torch.nn as nn
 from ..formats import QuantFormat, format_of_quantizer
 from ..modelopt_compat import uses_list_config
 from ..policy import is_quantizer
+from ..w4a8_scaling import is_w4a8, w4a8_export_amax
 
 __all__ = [
     "RUNTIMES",
@@ -69,6 +70,37 @@ def quantized_layers(model: nn.Module) -> list[LayerFormat]:
     return out
 
 
+def _w4a8_exporter_problems(model: nn.Module) -> list[str]:
+    """Ask the installed modelopt exporter which per-tensor scale it writes for a W4A8 layer.
+
+    TensorRT-LLM's W4A8_NVFP4_FP8 kernel needs ``weight_scale_2 = amax / 448`` (modelopt 0.47 writes
+    that); modelopt 0.37 writes the W4A4 scale ``amax / (6 * 448)``, whose block scales overflow the
+    kernel's FP8 weight dequantization.
+    """
+    layers = [(n, m) for n, m in model.named_modules() if is_w4a8(m)]
+    if not layers:
+        return []
+    import modelopt
+    from modelopt.torch.export.quant_utils import get_weight_scaling_factor_2
+
+    name, mod = layers[0]
+    with w4a8_export_amax(model):
+        amax = float(mod.weight_quantizer._amax.float().max())
+        got = float(get_weight_scaling_factor_2(mod).float().reshape(-1)[0])
+    if abs(got * 448.0 - amax) <= 1e-6 * max(amax, 1e-12):
+        return []
+    return [
+        f"{name} (and {len(layers) - 1} more W4A8 layers): modelopt {modelopt.__version__} exports W4A8_NVFP4_FP8 with "
+        f"weight_scale_2 = amax / {amax / got:.0f}, but TensorRT-LLM's W4A8 kernel needs amax / 448 (its block scales "
+        "would overflow the FP8 weight dequantization). Export with modelopt 0.47 (the core environment), or train "
+        "the MLP with NVFP4 inputs (policy 'trtllm_mixed')."
+    ]
+
+
+def _input_format(iq: nn.Module | None) -> str:
+    return "bf16" if iq is None or not iq.is_enabled else format_of_quantizer(iq).name
+
+
 def preflight(model: nn.Module, runtime: str = "trtllm", tensor_parallel: int = 1) -> list[LayerFormat]:
     """Refuse (``ExportRefused``) what modelopt cannot export or ``runtime`` would reject.
 
@@ -104,7 +136,15 @@ def preflight(model: nn.Module, runtime: str = "trtllm", tensor_parallel: int = 
                 "(a checkpoint TensorRT-LLM cannot load). Export with modelopt >= 0.40, or train int8_sq."
             )
             continue
-        if runtime == "trtllm" and f.trtllm_quant_algo is None:
+        if runtime == "trtllm" and f.name == "nvfp4" and _input_format(iq) not in ("nvfp4", "fp8"):
+            # TensorRT-LLM has NVFP4 (W4A4) and W4A8_NVFP4_FP8 kernels, no W4A16 NVFP4; modelopt 0.47
+            # labels such a layer W4A16_NVFP4, modelopt 0.37 labels it NVFP4 without an input scale.
+            problems.append(
+                f"{lf.module}: NVFP4 weights with {_input_format(iq)} inputs; TensorRT-LLM runs NVFP4 weights only "
+                "with NVFP4 inputs (NVFP4) or FP8 per-tensor inputs (W4A8_NVFP4_FP8). Set the rule's input to "
+                "'nvfp4' or 'fp8' (preset 'nvfp4_w4a8'), or export with runtime='pytorch'."
+            )
+        elif runtime == "trtllm" and f.trtllm_quant_algo is None:
             problems.append(
                 f"{lf.module}: weights are {f.name}, which TensorRT-LLM has no kernel for (no QuantAlgo). Use a "
                 "policy TensorRT-LLM deploys (e.g. 'trtllm_mixed': FP8 attention, NVFP4 MLP) or export with "
@@ -123,6 +163,7 @@ def preflight(model: nn.Module, runtime: str = "trtllm", tensor_parallel: int = 
         wq = modules[lf.module].weight_quantizer
         if f.needs_amax and getattr(wq, "_amax", None) is None:
             problems.append(f"{lf.module}: weight quantizer has no amax; calibrate before exporting.")
+    problems += _w4a8_exporter_problems(model)
     if problems:
         raise ExportRefused("Export refused, nothing was written:\n  - " + "\n  - ".join(problems))
     return layers

@@ -39,7 +39,8 @@ _SCALE_NAMES = ("weight_scale", "weight_scale_2", "input_scale", "pre_quant_scal
 _EMBEDDING = re.compile(r"(embed|vocab_embedding|lm_head|output_layer)")
 _FUSED = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("fc", "gate")]
 _SMOOTHED = ("W4A16_AWQ", "W4A8_AWQ", "W8A8_SQ_PER_CHANNEL")
-_FP4 = ("NVFP4", "MXFP4", "W4A16_MXFP4")  # upper case; modelopt writes dense MXFP4 as "mxfp4"
+_NVFP4_WEIGHTS = ("NVFP4", "W4A8_NVFP4_FP8")  # same weight tensors; W4A8 has an FP8 input_scale
+_FP4 = (*_NVFP4_WEIGHTS, "MXFP4", "W4A16_MXFP4")  # upper case; modelopt writes dense MXFP4 as "mxfp4"
 
 
 @dataclass
@@ -151,7 +152,7 @@ def _layout(algo: str, t: dict[str, torch.Tensor], group_size: int | None) -> li
     """[(tensor, allowed dtypes, expected shape or predicate)] for one layer; shapes from the weight."""
     w = t["weight"]
     algo = algo.upper()
-    if algo == "NVFP4":
+    if algo in _NVFP4_WEIGHTS:
         o, i = w.shape[0], w.shape[1] * 2
         return [("weight", (torch.uint8,), (o, i // 2)), ("weight_scale", (F8,), (o, i // 16)),
                 ("weight_scale_2", (torch.float32,), _scalar), ("input_scale", (torch.float32,), _scalar)]  # fmt: skip
@@ -345,7 +346,7 @@ def _compare(rep: ValidationReport, mod: str, algo: str, t: dict[str, torch.Tens
     num["layers_compared"] = num.get("layers_compared", 0) + 1
     if algo.upper() in _FP4:
         codes = unpack_e2m1_codes(t["weight"]).long()
-        if algo.upper() == "NVFP4":
+        if algo.upper() in _NVFP4_WEIGHTS:
             s = (t["weight_scale"].float() * t["weight_scale_2"].float().reshape(())).double()
         else:
             s = e8m0_to_float(t["weight_scale"])
@@ -444,7 +445,14 @@ def validate_export(
         if not _layout(a, t, group):
             rep.error(mod, f"no layout known for quant_algo {a!r}.")
             continue
-        if _check_layout(rep, mod, a, t, group) and model is not None:
+        layout_ok = _check_layout(rep, mod, a, t, group)
+        top = float(t["weight_scale"].float().max()) if layout_ok and a.upper() == "W4A8_NVFP4_FP8" else 0.0
+        if top * 6.0 > 448.0:
+            # the W4A8 kernel dequantizes code * block scale to FP8 (max 448) before the FP8 GEMM
+            rep.error(f"{mod}.weight_scale", f"max {top:g} > 448 / 6: the W4A8 kernel's FP8 dequantization of the "
+                      "weights would overflow (weight_scale_2 must be amax / 448).")  # fmt: skip
+            layout_ok = False
+        if layout_ok and model is not None:
             ref = _reference(model_modules, mod, kind, config, names)
             if ref is None:
                 rep.numeric["layers_without_counterpart"] = rep.numeric.get("layers_without_counterpart", 0) + 1

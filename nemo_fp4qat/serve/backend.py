@@ -94,7 +94,7 @@ class PyTorchBackend:
         if algo == "NVFP4":
             amax = s * 6.0 * 448.0  # input_scale = amax / (6 * 448)
             module.register_forward_pre_hook(lambda m, a: (fake_quant_nvfp4(a[0], amax), *a[1:]))
-        elif algo == "FP8":
+        elif algo in ("FP8", "W4A8_NVFP4_FP8"):  # W4A8: FP8 per-tensor inputs, input_scale = amax / 448
             module.register_forward_pre_hook(lambda m, a: (_fp8_fake_quant(a[0], s), *a[1:]))
 
     @property

@@ -1,0 +1,77 @@
+"""Train NVFP4-weight / FP8-input layers (W4A8) in the numerics TensorRT-LLM's W4A8 kernel runs.
+
+NVFP4 has two weight scales: an E4M3 scale per 16 elements and one FP32 scale per tensor. For W4A4
+(``NVFP4``), modelopt fake-quantizes and exports with the per-tensor scale ``amax / (6 * 448)``, so
+block scales use the whole E4M3 range. TensorRT-LLM's ``W4A8_NVFP4_FP8`` kernel dequantizes weights to
+FP8 first, so modelopt *exports* those layers with the per-tensor scale ``amax / 448`` (block scales
+<= 448 / 6, ``modelopt.torch.export.quant_utils.get_weight_scaling_factor``) while its fake quantizer
+still uses ``amax / (6 * 448)``. The block scales then round differently: measured on a tiny Llama,
+60% of the FP4 codes of the export differ from the trained weights (8.5% relative difference), i.e.
+the deployed model is not the one QAT trained.
+
+No library reconciles the two, so this module does: a W4A8 weight quantizer holds ``6 * amax`` while
+training (its fake quantizer then uses ``amax / 448``, exactly the export's per-tensor scale, hence
+the export's block scales and codes), and the true ``amax`` only while an export runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.nn as nn
+
+from .formats import format_of_quantizer
+
+__all__ = ["W4A8_AMAX_FACTOR", "is_w4a8", "scale_w4a8_weight_amax", "w4a8_export_amax"]
+
+W4A8_AMAX_FACTOR = 6.0  # E2M1's largest value: (6 * amax) / (6 * 448) == amax / 448
+
+
+def is_w4a8(module: nn.Module) -> bool:
+    """An NVFP4 weight quantizer with an enabled FP8 per-tensor input quantizer (``W4A8_NVFP4_FP8``)."""
+    wq, iq = getattr(module, "weight_quantizer", None), getattr(module, "input_quantizer", None)
+    if wq is None or iq is None or not getattr(wq, "is_enabled", False) or not getattr(iq, "is_enabled", False):
+        return False
+    try:
+        return format_of_quantizer(wq).name == "nvfp4" and format_of_quantizer(iq).name == "fp8"
+    except ValueError:  # a quantizer configuration no registered format describes: not W4A8
+        return False
+
+
+def _w4a8_weight_quantizers(model: nn.Module, modules: Iterable[str] | None) -> Iterator[tuple[str, nn.Module]]:
+    keep = None if modules is None else set(modules)
+    for name, mod in model.named_modules():
+        if (keep is None or name in keep) and is_w4a8(mod):
+            if isinstance(getattr(mod.weight_quantizer, "_amax", None), torch.Tensor):
+                yield name, mod.weight_quantizer
+
+
+@torch.no_grad()
+def scale_w4a8_weight_amax(model: nn.Module, modules: Iterable[str] | None = None) -> list[str]:
+    """Multiply the freshly calibrated weight amax of W4A8 layers (all, or ``modules``) by 6.
+
+    Call once per calibration of those quantizers (the controller does, after ``max`` calibration
+    and before the amax is synchronised across ranks). Returns the layers scaled.
+    """
+    done = []
+    for name, wq in _w4a8_weight_quantizers(model, modules):
+        wq._amax.mul_(W4A8_AMAX_FACTOR)
+        done.append(name)
+    return done
+
+
+@contextlib.contextmanager
+def w4a8_export_amax(model: nn.Module) -> Iterator[list[str]]:
+    """The true weight amax of W4A8 layers while an exporter runs; the training value afterwards."""
+    scaled = list(_w4a8_weight_quantizers(model, None))
+    with torch.no_grad():
+        for _, wq in scaled:
+            wq._amax.div_(W4A8_AMAX_FACTOR)
+    try:
+        yield [n for n, _ in scaled]
+    finally:
+        with torch.no_grad():
+            for _, wq in scaled:
+                wq._amax.mul_(W4A8_AMAX_FACTOR)
