@@ -9,7 +9,8 @@ with the MLP activations in FP8 (``nvfp4_w4a8``: NVFP4 weights). Each QAT row's 
 the PTQ of the same configuration (the fine-tune quantized the same way, no training).
 
 Run: ``.venv-core/bin/python benchmarks/bench_accuracy_seeds.py [--seeds 0 1 2] [--quick]``
-(about 30 minutes per seed on 2 cores; ``--quick``: a 4-step smoke run of the whole script).
+(about 25 minutes per seed on 2 cores, plus 20 for the multiple-choice scores of the first seed;
+``--quick``: a 4-step smoke run of the whole script).
 """
 
 from __future__ import annotations
@@ -45,6 +46,13 @@ PTQ_OF = {
 }
 
 
+# Multiple choice costs about 3.5 minutes per model on 2 cores (100 tasks x 4 choices): scored for these
+# rows on the first seed only (--mc-seeds); with 100 tasks its standard error (~0.05) is larger than the
+# differences seeds would resolve.
+MC_ROWS = {FT, "PTQ default", "modelopt plain QAT (NVFP4_DEFAULT_CFG)", f"torchao {TORCHAO_VERSION} NVFP4 QAT",
+           "ours progressive (default policy)", "ours progressive, nvfp4_w4a8"}  # fmt: skip
+
+
 def run_seed(seed: int, base_cfg: DemoConfig, out: Path, mc_tasks: int) -> dict[str, dict]:
     import lightning.pytorch as pl
     import modelopt.torch.quantization as mtq
@@ -53,12 +61,14 @@ def run_seed(seed: int, base_cfg: DemoConfig, out: Path, mc_tasks: int) -> dict[
     pl.seed_everything(seed)
     data = load_accuracy_data(cfg)
     base, train, calib, ptq = data.base, data.train, data.calib, data.ptq
-    tasks = next_sentence_tasks(data.book, n=mc_tasks, seed=0)  # same tasks for every seed
+    tasks = next_sentence_tasks(data.book, n=mc_tasks, seed=0) if mc_tasks else []  # same tasks for every seed
     rows: dict[str, dict] = {}
 
     def record(name: str, model, t0: float) -> None:
         wall = time.time() - t0
-        rows[name] = {"ppl": data.ppl(model), **multiple_choice_accuracy(model, data.tok, tasks), "wall_s": wall}
+        rows[name] = {"ppl": data.ppl(model), "wall_s": wall}
+        if mc_tasks and name in MC_ROWS:
+            rows[name].update(multiple_choice_accuracy(model, data.tok, tasks))
         print(f"seed {seed} | {name}: {rows[name]}", flush=True)
 
     def ours(name: str, policy: str, schedule: str) -> None:
@@ -104,7 +114,7 @@ def _mean_sd(xs: list[float]) -> str:
     return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}"
 
 
-def summarize(per_seed: dict[int, dict[str, dict]], cfg: DemoConfig, mc_tasks: int) -> str:
+def summarize(per_seed: dict[int, dict[str, dict]], cfg: DemoConfig, mc_tasks: int, mc_seeds: list[int]) -> str:
     seeds = sorted(per_seed)
     names = list(per_seed[seeds[0]])
     lines = [
@@ -113,9 +123,10 @@ def summarize(per_seed: dict[int, dict[str, dict]], cfg: DemoConfig, mc_tasks: i
         f"Machine: {machine()}. Seeds {', '.join(map(str, seeds))} (batch order + Lightning seed); per seed every "
         f"training run: {cfg.steps} steps x {cfg.batch_size} x {cfg.seq_len} tokens, AdamW lr {cfg.lr}, calibration "
         f"{cfg.calib_samples} samples. Mean ± standard deviation over seeds. Perplexity on Persuasion "
-        f"({cfg.eval_windows} x {cfg.eval_window} tokens); multiple choice: {mc_tasks} next-sentence tasks from "
-        "Persuasion (4 choices, chance 0.25), same tasks for every seed. Recovery against the PTQ of the same "
-        "configuration. `benchmarks/bench_accuracy_seeds.py`.",
+        f"({cfg.eval_windows} x {cfg.eval_window} tokens); multiple choice (MC): {mc_tasks} next-sentence tasks "
+        f"from Persuasion (4 choices, chance 0.25; standard error ~{(0.25 / max(mc_tasks, 1)) ** 0.5:.2f}), seed "
+        f"{', '.join(map(str, mc_seeds))} only, main rows only. Recovery against the PTQ of the same configuration. "
+        "`benchmarks/bench_accuracy_seeds.py`.",
         "",
         "| variant | perplexity | recovery | MC acc | MC acc_norm |",
         "|---|---|---|---|---|",
@@ -123,8 +134,10 @@ def summarize(per_seed: dict[int, dict[str, dict]], cfg: DemoConfig, mc_tasks: i
     for n in names:
         vals = [per_seed[s][n] for s in seeds if n in per_seed[s]]
         rec = _mean_sd([v["recovery"] for v in vals]) if "recovery" in vals[0] else "-"
-        lines.append(f"| {n} | {_mean_sd([v['ppl'] for v in vals])} | {rec} | "
-                     f"{_mean_sd([v['acc'] for v in vals])} | {_mean_sd([v['acc_norm'] for v in vals])} |")  # fmt: skip
+        mc = [v for v in vals if "acc" in v]
+        acc = _mean_sd([v["acc"] for v in mc]) if mc else "-"
+        acc_norm = _mean_sd([v["acc_norm"] for v in mc]) if mc else "-"
+        lines.append(f"| {n} | {_mean_sd([v['ppl'] for v in vals])} | {rec} | {acc} | {acc_norm} |")
     reason = torchao_available()
     if reason:
         lines += ["", f"torchao rows not run: {reason}."]
@@ -157,8 +170,11 @@ def plot(per_seed: dict[int, dict[str, dict]], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--mc-seeds", type=int, nargs="*", default=None, help="seeds scored on multiple choice "
+                    "(default: the first)")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="4-step smoke run; writes to runs/, not results/")
     args = ap.parse_args()
+    mc_seeds = args.seeds[:1] if args.mc_seeds is None else args.mc_seeds
     warnings.filterwarnings("ignore")
     cfg = DemoConfig.quick() if args.quick else DemoConfig()
     mc_tasks = 8 if args.quick else MC_TASKS
@@ -167,10 +183,10 @@ def main() -> None:
     dest.mkdir(parents=True, exist_ok=True)
     per_seed: dict[int, dict[str, dict]] = {}
     for seed in args.seeds:
-        per_seed[seed] = run_seed(seed, cfg, out, mc_tasks)
+        per_seed[seed] = run_seed(seed, cfg, out, mc_tasks if seed in mc_seeds else 0)
         # written after every seed: a stopped run keeps what it measured
         (dest / "accuracy_seeds.json").write_text(json.dumps({str(s): r for s, r in per_seed.items()}, indent=1))
-        (dest / "accuracy_seeds.md").write_text(summarize(per_seed, cfg, mc_tasks))
+        (dest / "accuracy_seeds.md").write_text(summarize(per_seed, cfg, mc_tasks, mc_seeds))
         plot(per_seed, dest / "accuracy_seeds.png")
     print((dest / "accuracy_seeds.md").read_text())
 
