@@ -91,7 +91,8 @@ def main() -> None:
     for name, r in rows.items():
         rec = f"{r['recovery']:.3f}" if "recovery" in r else "-"
         lines.append(f"| {name} | {r['ppl']:.3f} | {rec} | {r['train_s']:.0f} |")
-    lines += ["", "torchao's NVFP4 QAT and repeated seeds: `benchmarks/bench_accuracy_seeds.py` (`make bench-accuracy`).", ""]
+    peers = "torchao's NVFP4 QAT and repeated seeds: `benchmarks/bench_accuracy_seeds.py` (`make bench-accuracy`)."
+    lines += ["", peers, ""]
     (RESULTS_DIR / "accuracy.md").write_text("\n".join(lines))
     (RESULTS_DIR / "accuracy.json").write_text(json.dumps(rows, indent=2, default=str))
     print("\n".join(lines))
