@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
 
 from ..formats import QuantFormat, format_of_quantizer
@@ -78,7 +79,8 @@ def _w4a8_exporter_problems(model: nn.Module) -> list[str]:
     kernel's FP8 weight dequantization.
     """
     layers = [(n, m) for n, m in model.named_modules() if is_w4a8(m)]
-    if not layers:
+    layers = [(n, m) for n, m in layers if isinstance(getattr(m.weight_quantizer, "_amax", None), torch.Tensor)]
+    if not layers:  # none, or not calibrated (reported per layer by preflight)
         return []
     import modelopt
     from modelopt.torch.export.quant_utils import get_weight_scaling_factor_2
