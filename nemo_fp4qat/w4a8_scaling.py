@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from .formats import format_of_quantizer
 
-__all__ = ["W4A8_AMAX_FACTOR", "is_w4a8", "scale_w4a8_weight_amax", "w4a8_export_amax"]
+__all__ = ["W4A8_AMAX_FACTOR", "calibrated_w4a8_layers", "is_w4a8", "scale_w4a8_weight_amax", "w4a8_export_amax"]
 
 W4A8_AMAX_FACTOR = 6.0  # E2M1's largest value: (6 * amax) / (6 * 448) == amax / 448
 
@@ -40,12 +40,13 @@ def is_w4a8(module: nn.Module) -> bool:
         return False
 
 
-def _w4a8_weight_quantizers(model: nn.Module, modules: Iterable[str] | None) -> Iterator[tuple[str, nn.Module]]:
+def calibrated_w4a8_layers(model: nn.Module, modules: Iterable[str] | None = None) -> Iterator[tuple[str, nn.Module]]:
+    """(name, module) of the W4A8 layers (all, or those in ``modules``) whose weight amax is set."""
     keep = None if modules is None else set(modules)
     for name, mod in model.named_modules():
         if (keep is None or name in keep) and is_w4a8(mod):
             if isinstance(getattr(mod.weight_quantizer, "_amax", None), torch.Tensor):
-                yield name, mod.weight_quantizer
+                yield name, mod
 
 
 @torch.no_grad()
@@ -56,8 +57,8 @@ def scale_w4a8_weight_amax(model: nn.Module, modules: Iterable[str] | None = Non
     and before the amax is synchronised across ranks). Returns the layers scaled.
     """
     done = []
-    for name, wq in _w4a8_weight_quantizers(model, modules):
-        wq._amax.mul_(W4A8_AMAX_FACTOR)
+    for name, mod in calibrated_w4a8_layers(model, modules):
+        mod.weight_quantizer._amax.mul_(W4A8_AMAX_FACTOR)
         done.append(name)
     return done
 
@@ -65,13 +66,13 @@ def scale_w4a8_weight_amax(model: nn.Module, modules: Iterable[str] | None = Non
 @contextlib.contextmanager
 def w4a8_export_amax(model: nn.Module) -> Iterator[list[str]]:
     """The true weight amax of W4A8 layers while an exporter runs; the training value afterwards."""
-    scaled = list(_w4a8_weight_quantizers(model, None))
+    scaled = list(calibrated_w4a8_layers(model))
     with torch.no_grad():
-        for _, wq in scaled:
-            wq._amax.div_(W4A8_AMAX_FACTOR)
+        for _, mod in scaled:
+            mod.weight_quantizer._amax.div_(W4A8_AMAX_FACTOR)
     try:
         yield [n for n, _ in scaled]
     finally:
         with torch.no_grad():
-            for _, wq in scaled:
-                wq._amax.mul_(W4A8_AMAX_FACTOR)
+            for _, mod in scaled:
+                mod.weight_quantizer._amax.mul_(W4A8_AMAX_FACTOR)

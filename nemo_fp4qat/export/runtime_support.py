@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.nn as nn
 
 from ..formats import QuantFormat, format_of_quantizer
 from ..modelopt_compat import uses_list_config
 from ..policy import is_quantizer
-from ..w4a8_scaling import is_w4a8, w4a8_export_amax
+from ..w4a8_scaling import calibrated_w4a8_layers, w4a8_export_amax
 
 __all__ = [
     "RUNTIMES",
@@ -78,8 +77,7 @@ def _w4a8_exporter_problems(model: nn.Module) -> list[str]:
     that); modelopt 0.37 writes the W4A4 scale ``amax / (6 * 448)``, whose block scales overflow the
     kernel's FP8 weight dequantization.
     """
-    layers = [(n, m) for n, m in model.named_modules() if is_w4a8(m)]
-    layers = [(n, m) for n, m in layers if isinstance(getattr(m.weight_quantizer, "_amax", None), torch.Tensor)]
+    layers = list(calibrated_w4a8_layers(model))
     if not layers:  # none, or not calibrated (reported per layer by preflight)
         return []
     import modelopt
