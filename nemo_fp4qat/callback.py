@@ -82,8 +82,6 @@ class FP4QATCallback(pl.Callback):
         export: Any = None,
     ) -> None:
         super().__init__()
-        self.export_dir = export_dir
-        self.export = export
         self.controller = QATController(
             policy=policy,
             schedule=schedule,
@@ -91,12 +89,35 @@ class FP4QATCallback(pl.Callback):
             share_fused_amax=share_fused_amax,
             forward_fn=forward_fn,
         )
+        self.export_dir = export_dir
+        self.export = self._check_export(export)
         self.calibration_data = calibration_data
         self.module_getter = module_getter
         self.log_every_n_steps = max(1, int(log_every_n_steps))
         self.distillation = DistillationConfig.resolve_spec(distillation)
         self.distiller: Distiller | None = None
         self._prepared = False
+
+    def _check_export(self, export: Any) -> Any:
+        """Refuse a bad export configuration now, not after training: unknown kind / runtime / dtype, or a
+        runtime the policy does not deploy to. Without an explicit runtime, the policy's is used."""
+        if export is None:
+            return None
+        from .export import ExportConfig
+
+        if isinstance(export, ExportConfig):
+            cfg = export
+        else:
+            d = dict(export)
+            d.setdefault("runtime", self.controller.policy.runtime)
+            cfg = ExportConfig(**d)
+        if cfg.runtime == "trtllm" and self.controller.policy.runtime != "trtllm":
+            raise ValueError(
+                f"export runtime 'trtllm' with policy {self.controller.policy.name!r}, which TensorRT-LLM cannot run "
+                f"(its runtime is {self.controller.policy.runtime!r}): use a TensorRT-LLM policy (e.g. 'default') or "
+                "export={'runtime': 'pytorch', ...} for this plugin's own server."
+            )
+        return cfg
 
     # --- helpers ------------------------------------------------------------------------------
     def target_module(self, pl_module: pl.LightningModule) -> nn.Module:
@@ -241,7 +262,10 @@ class FP4QATCallback(pl.Callback):
         cfg = (
             self.export
             if self.export is not None
-            else {"kind": "hf" if hasattr(module, "save_pretrained") else "trtllm"}
+            else {
+                "kind": "hf" if hasattr(module, "save_pretrained") else "trtllm",
+                "runtime": self.controller.policy.runtime,
+            }
         )
         path = export_checkpoint(module, out_dir, cfg, tokenizer=getattr(pl_module, "tokenizer", None))
         rank_zero_info(f"nemo_fp4qat: exported to {path}")

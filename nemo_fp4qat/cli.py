@@ -54,20 +54,10 @@ def _eval(args: argparse.Namespace) -> int:
         report = json.loads(Path(args.report).read_text())
         variants = report["variants"]
     else:
-        if not (args.model and args.text):
-            print("nemo-fp4qat eval: give --report REPORT.json, or --model HF_DIR --text FILE", file=sys.stderr)
+        if not args.model:
+            print("nemo-fp4qat eval: give --report REPORT.json, or --model DIR [--text FILE]", file=sys.stderr)
             return 2
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from .evaluation import evaluate, load_mc_tasks
-
-        tok = AutoTokenizer.from_pretrained(args.model)
-        model = AutoModelForCausalLM.from_pretrained(args.model)
-        ids = tok(Path(args.text).read_text())["input_ids"]
-        mc = load_mc_tasks(args.mc) if args.mc else None
-        res = evaluate(model, ids, window=args.window, max_windows=args.windows, tokenizer=tok, mc_tasks=mc)
-        print(json.dumps(res.as_dict(), indent=1))
-        return 0
+        return _eval_model(args)
     for name, v in variants.items():
         acc = "" if v.get("acc") is None else f"  acc {100 * v['acc']:.1f}%"
         print(f"{name:>16}: perplexity {v['ppl']:.3f}{acc}")
@@ -88,6 +78,41 @@ def _eval(args: argparse.Namespace) -> int:
     for f in res.failures:
         print(f"quality gate FAILED: {f}", file=sys.stderr)
     return 1
+
+
+def _eval_model(args: argparse.Namespace) -> int:
+    """Perplexity of a model directory: an export (what deploys, rebuilt by the serving unpacker) or
+    a plain Hugging Face model. Without --text, the demo's held-out book and windows."""
+    import json
+    from pathlib import Path
+
+    from .evaluation import evaluate, load_mc_tasks
+    from .export.deployed_model import is_export_dir, load_deployed_model
+
+    if is_export_dir(args.model):
+        deployed = load_deployed_model(args.model)
+        model, tok, formats = deployed.model, deployed.tokenizer, deployed.weight_formats
+        if tok is None:
+            print(f"nemo-fp4qat eval: {args.model} has no tokenizer (export with tokenizer=...).", file=sys.stderr)
+            return 2
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.model)
+        model, formats = AutoModelForCausalLM.from_pretrained(args.model), None
+    if args.text:
+        text, window, windows = Path(args.text).read_text(), args.window or 512, args.windows or 16
+    else:  # the demo's validation set, so the figure is comparable with runs/demo/report.json
+        from .demo import DemoConfig
+        from .demo_model import load_corpus
+
+        d = DemoConfig()
+        text, window, windows = load_corpus("persuasion"), args.window or d.eval_window, args.windows or d.eval_windows
+    ids = tok(text)["input_ids"][: window * windows]
+    mc = load_mc_tasks(args.mc) if args.mc else None
+    res = evaluate(model, ids, window=window, max_windows=windows, tokenizer=tok, mc_tasks=mc, weight_formats=formats)
+    print(json.dumps(res.as_dict(), indent=1))
+    return 0
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -157,11 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     d.set_defaults(fn=_demo)
     e = sub.add_parser("eval", help="evaluate a model, or check a comparison report against the quality gate")
     e.add_argument("--report", help="report.json written by `demo` (variants to compare)")
-    e.add_argument("--model", help="a Hugging Face model directory to evaluate")
-    e.add_argument("--text", help="held-out text file for perplexity")
+    e.add_argument("--model", help="an export directory (unified HF or TRT-LLM checkpoint: evaluated as deployed) "
+                   "or a Hugging Face model directory")  # fmt: skip
+    e.add_argument("--text", help="held-out text file for perplexity (default: the demo's validation book)")
     e.add_argument("--mc", help="multiple-choice JSONL file {input, choices, answer}")
-    e.add_argument("--window", type=int, default=512)
-    e.add_argument("--windows", type=int, default=16)
+    e.add_argument("--window", type=int, help="tokens per window (default 512; the demo's 256 without --text)")
+    e.add_argument("--windows", type=int, help="windows (default 16; the demo's 8 without --text)")
     e.add_argument("--gate", action="store_true", help="exit non-zero if the quality gate fails")
     e.add_argument("--max-ppl-increase", type=float, default=0.5, help="percent over the baseline")
     e.add_argument("--max-acc-drop", type=float, default=1.0, help="accuracy points below the baseline")
@@ -170,9 +196,18 @@ def main(argv: list[str] | None = None) -> int:
     e.set_defaults(fn=_eval)
     f = sub.add_parser("formats", help="list the supported quantization formats")
     f.set_defaults(fn=_formats)
-    x = sub.add_parser("export", help="export a QAT-trained Hugging Face model (unified HF or TRT-LLM checkpoint)")
+    x = sub.add_parser(
+        "export",
+        help="export a QAT-trained Hugging Face model (unified HF or TRT-LLM checkpoint)",
+        description="Rebuild a QAT-trained Hugging Face model from its base folder and the file "
+        "`modelopt.torch.opt.save(model, PATH)` wrote after training (quantizers, formats, amax and weights), "
+        "then export it validated and atomically. In training, FP4QATCallback(export_dir=..., export={...}) "
+        "does the same at the end of fit without this step; `make demo` exports to runs/demo/export "
+        "(unified HF) and runs/demo/export_trtllm (TensorRT-LLM checkpoint, qnemo layout). NeMo checkpoints: "
+        "python -m nemo_fp4qat.nemo.export (see README).",
+    )
     x.add_argument("--model", required=True, help="the Hugging Face model directory the QAT run started from")
-    x.add_argument("--modelopt-state", required=True, help="mto.save() file of the trained model (demo: qat_model.pth)")
+    x.add_argument("--modelopt-state", required=True, help="file written by mto.save(model, PATH) after QAT")
     x.add_argument("--out", required=True, help="export directory (written atomically)")
     x.add_argument("--kind", default="hf", choices=["hf", "trtllm"])
     x.add_argument("--runtime", default="trtllm", choices=["trtllm", "pytorch"])

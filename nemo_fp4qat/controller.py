@@ -20,7 +20,7 @@ from .calibration import CalibrationConfig, default_forward, run_calibration, sy
 from .formats import QuantFormat, get_format
 from .fused_siblings import find_fused_siblings, share_fused_amax
 from .modelopt_compat import apply_quant_cfg, build_quant_cfg, calibration_algorithm
-from .policy import LayerPolicy, PolicyTable, element_bits, is_quantizer
+from .policy import POLICY_PRESETS, LayerPolicy, PolicyTable, element_bits, is_quantizer
 from .schedule import PrecisionSchedule, effective_format
 from .w4a8_scaling import scale_w4a8_weight_amax
 
@@ -28,6 +28,27 @@ __all__ = ["QATController"]
 
 log = logging.getLogger("nemo_fp4qat")
 STATE_VERSION = 1
+
+
+def _check_offset_groups(offsets: dict[str, Any], policy: LayerPolicy) -> None:
+    """A schedule's ``group_offsets`` must name groups the policy has (a typo would be silently ignored).
+
+    Group names of the presets are accepted for any policy (a preset schedule with an ``attention``
+    offset also fits a policy that keeps attention in full precision); anything else must be a group of
+    this policy.
+    """
+    import difflib
+
+    groups = {r.group for r in policy.rules} | {"other"}
+    preset_groups = {r["group"] for p in POLICY_PRESETS.values() for r in p["rules"]}
+    for g in offsets:
+        if g not in groups | preset_groups:
+            near = difflib.get_close_matches(str(g), sorted(groups), n=1)
+            hint = f" Did you mean {near[0]!r}?" if near else ""
+            raise ValueError(
+                f"Schedule group_offsets names group {g!r}, which policy {policy.name!r} does not have "
+                f"(groups: {sorted(groups)}).{hint}"
+            )
 
 
 class QATController:
@@ -52,6 +73,7 @@ class QATController:
         self.policy = LayerPolicy.resolve_spec(policy)
         self.schedule = PrecisionSchedule.resolve_spec(schedule)
         self.schedule.validate_for(self.policy.target_format)
+        _check_offset_groups(self.schedule.group_offsets, self.policy)
         self.calibration = CalibrationConfig.resolve_spec(calibration)
         self.share_fused_amax = share_fused_amax
         self.forward_fn = forward_fn or default_forward
@@ -146,6 +168,11 @@ class QATController:
         """Initial calibration on ``batches`` (kept for recalibration at switches)."""
         if batches is not None:
             self.calib_batches = list(batches)
+        if not self.calib_batches:
+            raise ValueError(
+                "Calibration got no batches: the calibration data is empty. Pass calibration_data with at least one "
+                "batch (100-500 representative samples), or let the callback draw them from the train dataloader."
+            )
         run_calibration(model, self.calib_batches, self._algorithm(), self.forward_fn)
         scale_w4a8_weight_amax(model)
         self._after_calibration(model)

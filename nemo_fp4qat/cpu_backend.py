@@ -10,6 +10,11 @@ pass-through in 0.47). CUDA tensors never reach our code.
 On modelopt >= 0.47 we also register a named backend (``cfg["backend"] = "nemo_fp4qat_cpu"``) with
 ``register_quant_backend`` for users who want to select it explicitly in a quant config.
 
+FP8 (E4M3, per tensor or per channel) is not CUDA-only, but modelopt's eager CPU path multiplies by
+``448 / amax`` where its exporter divides by ``amax / 448``; for CPU tensors ``tensor_quant.fp8_eager``
+is wrapped the same way and computes with the exported scale (:func:`~.cpu_fake_quant.fake_quant_fp8`),
+so a CPU-trained FP8 layer exports to exactly the weights it trained with.
+
 The hook is installed when ``nemo_fp4qat`` is imported; set ``NEMO_FP4QAT_CPU_BACKEND=0`` to opt
 out, or call :func:`uninstall_cpu_backend`.
 """
@@ -22,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .cpu_fake_quant import fake_quant_block
+from .cpu_fake_quant import fake_quant_block, fake_quant_fp8
 
 __all__ = [
     "BACKEND_NAME",
@@ -33,6 +38,7 @@ __all__ = [
 
 BACKEND_NAME = "nemo_fp4qat_cpu"
 _ORIGINAL_OP: Any = None
+_ORIGINAL_FP8: Any = None
 
 
 def _decode_bits(num_bits: int, exponent_bits: int, scale_num_bits: int, scale_exponent_bits: int):
@@ -57,6 +63,12 @@ def _cpu_dynamic_block_quantize_op(
     element, scale = _decode_bits(num_bits, exponent_bits, scale_num_bits, scale_exponent_bits)
     with torch.no_grad():
         return fake_quant_block(inputs.detach(), block_size, amax, element, scale)
+
+
+def _cpu_fp8_eager(x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
+    if x.device.type != "cpu" or amax is None:
+        return _ORIGINAL_FP8(x, amax)  # CUDA without modelopt's extension, or unscaled casts
+    return fake_quant_fp8(x, amax)
 
 
 def _backend_entrypoint(inputs: torch.Tensor, quantizer: Any) -> torch.Tensor:
@@ -85,7 +97,7 @@ def _backend_entrypoint(inputs: torch.Tensor, quantizer: Any) -> torch.Tensor:
 
 def install_cpu_backend() -> bool:
     """Install the CPU op hook (idempotent). Returns True if it is active afterwards."""
-    global _ORIGINAL_OP
+    global _ORIGINAL_OP, _ORIGINAL_FP8
     if os.environ.get("NEMO_FP4QAT_CPU_BACKEND", "1") == "0":
         return False
     from modelopt.torch.quantization import tensor_quant
@@ -94,6 +106,10 @@ def install_cpu_backend() -> bool:
         _ORIGINAL_OP = tensor_quant.dynamic_block_quantize_op
         functools.update_wrapper(_cpu_dynamic_block_quantize_op, _ORIGINAL_OP, updated=())
         tensor_quant.dynamic_block_quantize_op = _cpu_dynamic_block_quantize_op
+    if _ORIGINAL_FP8 is None:
+        _ORIGINAL_FP8 = tensor_quant.fp8_eager
+        functools.update_wrapper(_cpu_fp8_eager, _ORIGINAL_FP8, updated=())
+        tensor_quant.fp8_eager = _cpu_fp8_eager
     try:
         from modelopt.torch.quantization.nn.modules import tensor_quantizer as tq
 
@@ -106,12 +122,15 @@ def install_cpu_backend() -> bool:
 
 def uninstall_cpu_backend() -> None:
     """Restore modelopt's original op (and drop the named backend where registered)."""
-    global _ORIGINAL_OP
+    global _ORIGINAL_OP, _ORIGINAL_FP8
     from modelopt.torch.quantization import tensor_quant
 
     if _ORIGINAL_OP is not None:
         tensor_quant.dynamic_block_quantize_op = _ORIGINAL_OP
         _ORIGINAL_OP = None
+    if _ORIGINAL_FP8 is not None:
+        tensor_quant.fp8_eager = _ORIGINAL_FP8
+        _ORIGINAL_FP8 = None
     try:
         from modelopt.torch.quantization.nn.modules import tensor_quantizer as tq
 
@@ -124,4 +143,7 @@ def uninstall_cpu_backend() -> None:
 def cpu_backend_installed() -> bool:
     from modelopt.torch.quantization import tensor_quant
 
-    return tensor_quant.dynamic_block_quantize_op is _cpu_dynamic_block_quantize_op
+    return (
+        tensor_quant.dynamic_block_quantize_op is _cpu_dynamic_block_quantize_op
+        and tensor_quant.fp8_eager is _cpu_fp8_eager
+    )

@@ -41,6 +41,7 @@ from . import native_kernels
 __all__ = [
     "FLOAT_FORMAT_MAX",
     "fake_quant_block",
+    "fake_quant_fp8",
     "fake_quant_mx",
     "fake_quant_nvfp4",
     "round_to_minifloat",
@@ -133,7 +134,12 @@ def _nan_free_block_amax(xabs: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(xabs, nan=0.0, posinf=float("inf")).amax(dim=-1, keepdim=True)
 
 
-def fake_quant_nvfp4(x: torch.Tensor, amax: torch.Tensor | float | None, block_size: int = 16) -> torch.Tensor:
+def fake_quant_nvfp4(
+    x: torch.Tensor,
+    amax: torch.Tensor | float | None,
+    block_size: int = 16,
+    global_scale: torch.Tensor | float | None = None,
+) -> torch.Tensor:
     """NVFP4 quantize->dequantize of ``x`` as modelopt's Triton kernel computes it.
 
     Args:
@@ -141,15 +147,20 @@ def fake_quant_nvfp4(x: torch.Tensor, amax: torch.Tensor | float | None, block_s
         amax: the per-tensor amax (the quantizer's calibrated ``_amax``); a non-scalar amax is
             reduced with ``amax()`` as modelopt does; ``None`` uses ``x``'s own amax.
         block_size: elements per E4M3-scaled block (16 for NVFP4).
+        global_scale: the per-tensor scale ``amax / (6 * 448)`` itself (an exported ``input_scale``),
+            used as given instead of being recomputed from ``amax`` (a round trip can move it an ulp).
     """
-    if amax is None:
+    if global_scale is not None:
+        gs = torch.as_tensor(global_scale, dtype=torch.float32).to(x.device).reshape(())
+    elif amax is None:
         amax_t = _nan_free_block_amax(x.detach().abs().float().reshape(1, 1, -1)).amax()
     else:
         amax_t = torch.as_tensor(amax, dtype=torch.float32).to(x.device).float()
         if amax_t.numel() != 1:
             amax_t = amax_t.amax()
         amax_t = amax_t.reshape(())
-    gs = amax_t / (6.0 * 448.0)
+    if global_scale is None:
+        gs = amax_t / (6.0 * 448.0)
     if _native_ok(x):
         valid = bool(torch.isfinite(gs) and gs > 0)
         y = native_kernels.native_nvfp4(x.detach().float().contiguous(), float(gs), valid, block_size)
@@ -217,3 +228,25 @@ def fake_quant_block(
         f"E{scale_bits[0]}M{scale_bits[1]}; supported: NVFP4 (E2M1/E4M3) and MX (E2M1, E2M3, E3M2, "
         "E4M3 with E8M0)."
     )
+
+
+# modelopt's FP8 fake quant zeroes no amax: amax at or below this is treated as 1 (``_fp8_eager``).
+_FP8_AMAX_EPS = 1.0 / (1 << 24)
+
+
+def fake_quant_fp8(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """FP8 (E4M3) per-tensor / per-channel fake quant in the arithmetic of the export and the kernel.
+
+    modelopt's fake quant (``_fp8_eager`` and its CUDA ``fake_e4m3fy``) computes
+    ``fp8(x * (448 / amax)) * (1 / (448 / amax))``; its exporter writes ``weight_scale = amax / 448``
+    and ``fp8(w / weight_scale)`` (``quant_utils.to_quantized_weight``), and TensorRT-LLM's FP8 GEMM
+    multiplies the codes by that ``weight_scale``. ``x * (448 / amax)`` and ``x / (amax / 448)``
+    differ by a float32 ulp, which moves elements next to an E4M3 rounding boundary by a whole E4M3
+    step: on SmolLM2 about 100 weights per FP8 q/k/v layer exported one step (up to 11%) away from
+    what was trained. Here training divides by the exported scale, so what deploys is what trained.
+    """
+    dtype = x.dtype
+    a = amax.to(device=x.device, dtype=torch.float32)
+    scale = torch.where(a <= _FP8_AMAX_EPS, torch.ones_like(a), a) / 448.0  # the exported weight_scale
+    q = (x.to(torch.float32) / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return (q.to(torch.float32) * scale).to(dtype)

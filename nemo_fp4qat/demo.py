@@ -2,12 +2,14 @@
 
 Baseline evaluation -> full-precision fine-tune (the fair baseline) -> PTQ of it -> progressive QAT
 (bf16 -> fp8 -> fp6 -> policy formats, default layer policy) with the same data and step budget ->
-evaluation of every variant -> export of the QAT model (validated unified HF checkpoint, servable
-with ``nemo-fp4qat serve``) -> comparison table, ``report.json`` (with ``recovery``), ``report.md``,
+evaluation of every variant -> export of the QAT model (a TensorRT-LLM checkpoint in NeMo's qnemo
+layout and a unified HF checkpoint, both validated; the HF one is served by ``nemo-fp4qat serve``)
+-> the QAT row re-measured on the exported checkpoint as deployed -> comparison table,
+``report.json`` (with ``recovery``), ``report.md``,
 PNG plots, and the quantization-quality report of the QAT run. Everything goes under ``out_dir``.
 
-This runs the plain Lightning + Hugging Face path: the NeMo (Megatron) import of SmolLM2 is not
-available yet, and on this CPU-only machine the Megatron path would not fit the 10-minute budget.
+This runs the plain Lightning + Hugging Face path: on a CPU-only machine the Megatron path would not
+fit the 10-minute budget (``nemo_fp4qat.nemo`` runs the same model through NeMo).
 """
 
 from __future__ import annotations
@@ -149,21 +151,43 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, cfg: DemoConfig | 
                             calibration_data=calib, forward_fn=lambda m, b: m.net(b), distillation=distill)  # fmt: skip
     monitor = QuantizationMonitor(every_n_steps=max(1, cfg.steps // 2), out_dir=str(out / "quant_quality"))
     qat_losses = _train(qat_model, train, cfg, out, [qat_cb, monitor], "qat")
-    variants["qat"] = ev(qat_model, "QAT")
+    variants["qat"] = ev(qat_model, "QAT (in memory)")
 
-    con.print("[bold]5/5[/bold] export and report")
+    con.print("[bold]5/5[/bold] export (TensorRT-LLM checkpoint + unified HF checkpoint, validated) and report")
     from .export import ExportConfig, export_checkpoint
+    from .export.deployed_model import load_deployed_model
+    from .policy import LayerPolicy
 
-    # The default policy keeps attention in MXFP8, which TensorRT-LLM has no kernel for: the demo's
-    # export targets this plugin's own server (`nemo-fp4qat serve`); policy 'trtllm_mixed' deploys to TRT-LLM.
-    runtime = "trtllm" if cfg.policy == "trtllm_mixed" else "pytorch"
-    export_dir = export_checkpoint(qat_model, out / "export", ExportConfig(kind="hf", runtime=runtime, overwrite=True),
-                                   tokenizer=tok)  # fmt: skip
-    con.print(f"  exported (validated) to {export_dir}; serve it: nemo-fp4qat serve {export_dir}")
+    # Presets say where they deploy: "trtllm" (default) or "pytorch" (MXFP8 attention: this plugin's server only).
+    runtime = LayerPolicy.resolve_spec(cfg.policy).runtime
+    exports: dict[str, str] = {}
+    if runtime == "trtllm":
+        trt = export_checkpoint(qat_model, out / "export_trtllm", ExportConfig(kind="trtllm", runtime=runtime,
+                                overwrite=True), tokenizer=tok)  # fmt: skip
+        exports["trtllm"] = str(trt)
+        con.print(f"  TensorRT-LLM checkpoint (qnemo layout, TP 1): {trt}; engine build plan: {trt}/build_engine.sh")
+    hf = export_checkpoint(qat_model, out / "export", ExportConfig(kind="hf", runtime=runtime, overwrite=True),
+                           tokenizer=tok)  # fmt: skip
+    exports["hf"] = str(hf)
+    con.print(f"  unified HF checkpoint ({runtime}): {hf}; serve it: nemo-fp4qat serve {hf}")
+    # The QAT row is what deploys: the exported HF checkpoint rebuilt by the serving unpacker.
+    in_memory = variants.pop("qat")
+    deployed = load_deployed_model(hf)
+    variants["qat"] = ev(deployed.model, "QAT (exported checkpoint, as served)")
+    variants["qat"]["bits_per_weight"] = in_memory["bits_per_weight"]
+    variants["qat"]["weight_ratio_vs_bf16"] = in_memory["weight_ratio_vs_bf16"]
+    del deployed
     report = write_report(
         out,
         variants,
-        extra={"config": asdict(cfg), "wall_time_s": time.time() - t0, "monitor_findings": len(monitor.findings)},
+        extra={
+            "config": asdict(cfg),
+            "wall_time_s": time.time() - t0,
+            "monitor_findings": len(monitor.findings),
+            "qat_in_memory_ppl": in_memory["ppl"],
+            "exports": exports,
+            "export_runtime": runtime,
+        },
         loss_curves={"bf16 fine-tune": ft_losses, f"QAT ({cfg.schedule})": qat_losses},
         switches=qat_cb.controller.history,
     )

@@ -125,19 +125,26 @@ def multiple_choice_accuracy(model: nn.Module, tokenizer: Any, tasks: Iterable[d
     return {"acc": correct / max(1, n), "acc_norm": correct_norm / max(1, n), "n": n}
 
 
-def quantized_weight_memory(model: nn.Module) -> dict[str, float]:
+def quantized_weight_memory(model: nn.Module, weight_formats: dict[str, str] | None = None) -> dict[str, float]:
     """Bytes of all parameters when linear weights are stored in their quantized format (scales
-    included) and everything else in bf16; ``ratio_vs_bf16`` compares with an all-bf16 model."""
+    included) and everything else in bf16; ``ratio_vs_bf16`` compares with an all-bf16 model.
+
+    Formats come from the modules' weight quantizers, or from ``weight_formats`` (module name ->
+    format name) for a model rebuilt from an export, which has no quantizers left.
+    """
+    from .formats import get_format
+
+    weight_formats = weight_formats or {}
     total_bf16 = 0.0
     total_q = 0.0
     handled: set[int] = set()
     bits_hist: dict[str, int] = {}
-    for _, m in model.named_modules():
+    for name, m in model.named_modules():
         w = getattr(m, "weight", None)
         q = getattr(m, "weight_quantizer", None)
-        if isinstance(w, torch.Tensor) and q is not None and id(w) not in handled:
+        if isinstance(w, torch.Tensor) and (q is not None or name in weight_formats) and id(w) not in handled:
             handled.add(id(w))
-            fmt = format_of_quantizer(q)
+            fmt = format_of_quantizer(q) if q is not None else get_format(weight_formats[name])
             total_bf16 += w.numel() * 2
             total_q += fmt.weight_bytes(w.numel()) if not fmt.is_full_precision else w.numel() * 2
             bits_hist[fmt.name] = bits_hist.get(fmt.name, 0) + w.numel()
@@ -181,10 +188,12 @@ def evaluate(
     max_windows: int | None = None,
     tokenizer: Any = None,
     mc_tasks: list[dict[str, Any]] | None = None,
+    weight_formats: dict[str, str] | None = None,
 ) -> EvalResult:
-    """Perplexity (+ multiple choice if given), throughput, peak memory and weight memory."""
+    """Perplexity (+ multiple choice if given), throughput, peak memory and weight memory
+    (``weight_formats``: see :func:`quantized_weight_memory`)."""
     p = perplexity(model, token_ids, window=window, max_windows=max_windows)
-    mem = quantized_weight_memory(model)
+    mem = quantized_weight_memory(model, weight_formats)
     acc = multiple_choice_accuracy(model, tokenizer, mc_tasks) if (mc_tasks and tokenizer is not None) else {}
     if torch.cuda.is_available() and next(model.parameters()).is_cuda:
         peak = torch.cuda.max_memory_allocated() / 2**20

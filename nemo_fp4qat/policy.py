@@ -24,6 +24,7 @@ KV_CACHE_FORMATS = frozenset({"fp8"})
 
 __all__ = [
     "POLICY_PRESETS",
+    "TRTLLM_PRESETS",
     "LayerPolicy",
     "PolicyRow",
     "PolicyRule",
@@ -107,27 +108,46 @@ _MLP = [
     "*mlp.fc1", "*mlp.fc2", "*mlp.c_fc", "*mlp.c_proj", "*dense_h_to_4h", "*dense_4h_to_h",
 ]  # fmt: skip
 
+# FP8 attention + NVFP4 MLP: what TensorRT-LLM deploys as MIXED_PRECISION (per-layer FP8 / NVFP4).
+_FP8_ATTENTION_NVFP4_MLP = {
+    "rules": [
+        _EMBED_OUT_NORM,
+        dict(patterns=_ATTENTION, weight="fp8", group="attention"),
+        dict(patterns=_MLP, weight="nvfp4", group="mlp"),
+    ],
+    "default": "nvfp4",
+    "runtime": "trtllm",
+}
+
+# ``runtime``: where the preset's export deploys. "trtllm": TensorRT-LLM has a kernel for every layer
+# (tested on the embedded SmolLM2: HF and TRT-LLM checkpoints, TP 1 and 2, validated); "pytorch":
+# only this plugin's own server (``nemo-fp4qat serve``) runs it.
 POLICY_PRESETS: dict[str, dict[str, Any]] = {
-    # Keep embeddings, the output layer, norms and MoE routers in full precision; FP4 elsewhere.
-    "fp_embeddings": {"rules": [_EMBED_OUT_NORM], "default": "nvfp4"},
+    # The deployable default: conservative attention (FP8: 8-bit elements and activations, the
+    # highest precision TensorRT-LLM serves beside NVFP4 in one MIXED_PRECISION checkpoint), MLP in
+    # NVFP4, embeddings / output layer / norms / routers in full precision.
+    "default": _FP8_ATTENTION_NVFP4_MLP,
+    # The same formats under the name earlier releases used for them.
+    "trtllm_mixed": _FP8_ATTENTION_NVFP4_MLP,
+    # Keep embeddings, the output layer, norms and MoE routers in full precision; NVFP4 elsewhere.
+    "fp_embeddings": {"rules": [_EMBED_OUT_NORM], "default": "nvfp4", "runtime": "trtllm"},
     # MLP in NVFP4 only; other linear layers stay in full precision.
     "aggressive_mlp": {
         "rules": [_EMBED_OUT_NORM, dict(patterns=_MLP, weight="nvfp4", group="mlp")],
         "default": None,
+        "runtime": "trtllm",
     },
-    # Attention projections at 8 bits with per-32 block scales (MXFP8); everything else NVFP4.
+    # Attention projections at 8 bits with per-32 block scales (MXFP8: finer scaling than FP8's one
+    # scale per tensor); everything else NVFP4. TensorRT-LLM has no dense MXFP8 kernel: this preset
+    # deploys on this plugin's own server only (export with runtime="pytorch").
     "conservative_attention": {
-        "rules": [_EMBED_OUT_NORM, dict(patterns=_ATTENTION, weight="mxfp8", group="attention")],
-        "default": "nvfp4",
-    },
-    # The three combined.
-    "default": {
         "rules": [
             _EMBED_OUT_NORM,
             dict(patterns=_ATTENTION, weight="mxfp8", group="attention"),
             dict(patterns=_MLP, weight="nvfp4", group="mlp"),
         ],
         "default": "nvfp4",
+        "runtime": "pytorch",
     },
     # FP4 weights, 8-bit activations: NVFP4 MLP weights with FP8 inputs (TensorRT-LLM W4A8_NVFP4_FP8),
     # FP8 attention. Same weight memory as "default"; on the demo model the MLP's NVFP4 *activations*
@@ -139,17 +159,10 @@ POLICY_PRESETS: dict[str, dict[str, Any]] = {
             dict(patterns=_MLP, weight="nvfp4", input="fp8", group="mlp"),
         ],
         "default": "fp8",
-    },
-    # Deployable with TensorRT-LLM MIXED_PRECISION: per-layer FP8 (attention) / NVFP4 (MLP).
-    "trtllm_mixed": {
-        "rules": [
-            _EMBED_OUT_NORM,
-            dict(patterns=_ATTENTION, weight="fp8", group="attention"),
-            dict(patterns=_MLP, weight="nvfp4", group="mlp"),
-        ],
-        "default": "nvfp4",
+        "runtime": "trtllm",
     },
 }
+TRTLLM_PRESETS = tuple(n for n, p in POLICY_PRESETS.items() if p["runtime"] == "trtllm")
 
 
 @dataclass(frozen=True)
@@ -205,12 +218,15 @@ class LayerPolicy:
         name: a label for logs and reports.
         kv_cache: ``"fp8"`` quantizes the attention K/V (calibrated scales, exported as the
             checkpoint's ``kv_cache_quant_algo``); ``None`` keeps the KV cache in full precision.
+        runtime: where exports of this policy deploy: ``"trtllm"`` (TensorRT-LLM has a kernel for
+            every layer) or ``"pytorch"`` (this plugin's server only); the export's default runtime.
     """
 
     rules: list[PolicyRule] = field(default_factory=list)
     default: str | None = "nvfp4"
     name: str = "custom"
     kv_cache: str | None = None
+    runtime: str = "trtllm"
 
     def __post_init__(self) -> None:
         rules = []
@@ -235,6 +251,11 @@ class LayerPolicy:
                 "(TensorRT-LLM deploys an FP8 KV cache from calibrated k/v scales)."
             )
         self.kv_cache = None if self.kv_cache is None else str(self.kv_cache).lower()
+        if self.runtime not in ("trtllm", "pytorch"):
+            raise ValueError(
+                f"runtime={self.runtime!r} is not known; use 'trtllm' (TensorRT-LLM deploys every layer) or "
+                "'pytorch' (this plugin's own server, e.g. for MXFP8 attention)."
+            )
 
     # --- construction -------------------------------------------------------------------------
     @classmethod
@@ -242,7 +263,8 @@ class LayerPolicy:
         if name not in POLICY_PRESETS:
             raise ValueError(f"Unknown policy preset {name!r}; presets: {', '.join(POLICY_PRESETS)}")
         spec = POLICY_PRESETS[name]
-        return cls(rules=[PolicyRule(**r) for r in spec["rules"]], default=spec["default"], name=name)
+        rules = [PolicyRule(**r) for r in spec["rules"]]
+        return cls(rules=rules, default=spec["default"], name=name, runtime=spec["runtime"])
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> LayerPolicy:
@@ -270,7 +292,7 @@ class LayerPolicy:
         raise ValueError(f"Policy {spec!r} is neither a preset ({', '.join(POLICY_PRESETS)}) nor a YAML file.")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "default": self.default, "kv_cache": self.kv_cache,
+        return {"name": self.name, "default": self.default, "kv_cache": self.kv_cache, "runtime": self.runtime,
                 "rules": [asdict(r) for r in self.rules]}  # fmt: skip
 
     def kv_cache_entries(self) -> list[tuple[str, dict[str, Any]]]:

@@ -110,6 +110,8 @@ def write_report(
     tmp.write_text(json.dumps(report, indent=1, default=float))
     tmp.replace(out / "report.json")
     md = ["# nemo-fp4qat report", "", *_table(variants), ""]
+    for kind, path in ((extra or {}).get("exports") or {}).items():
+        md.append(f"Export ({'TensorRT-LLM checkpoint' if kind == 'trtllm' else 'unified HF checkpoint'}): `{path}`  ")
     if rec is not None:
         md.append(f"Recovery (PTQ -> QAT gap closed vs the fine-tuned baseline): **{rec:.3f}**")
     if gate_res is not None:

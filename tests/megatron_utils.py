@@ -58,3 +58,18 @@ def gpt_inputs(tokens: torch.Tensor):
     pos = torch.arange(t).unsqueeze(0).expand(b, -1)
     mask = torch.triu(torch.ones(t, t, dtype=torch.bool), 1).view(1, 1, t, t)
     return tokens, pos, mask
+
+
+def nemo_is_qnemo_checkpoint():
+    """NeMo's own ``is_qnemo_checkpoint``, loaded from its file: the package ``__init__`` imports
+    tensorrt_llm (not installable on CPU machines), the function itself does not need it."""
+    import importlib.util
+    from pathlib import Path
+
+    import nemo.export
+
+    path = Path(nemo.export.__file__).parent / "trt_llm" / "qnemo" / "utils.py"
+    spec = importlib.util.spec_from_file_location("nemo_qnemo_utils", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.is_qnemo_checkpoint

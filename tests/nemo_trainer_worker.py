@@ -19,6 +19,7 @@ import sys
 STEPS = int(os.environ.get("STEPS", "4"))
 DEVICES = int(os.environ.get("DEVICES", "1"))  # > 1: processes on gloo (Lightning launches the others)
 TP = int(os.environ.get("TP", "1"))  # tensor parallel size; data parallel = DEVICES // TP
+EXPORT_DIR = os.environ.get("EXPORT_DIR")  # set: the callback exports a TRT-LLM checkpoint at the end of fit
 
 if __name__ == "__main__":
     out = sys.argv[1]
@@ -43,6 +44,7 @@ if __name__ == "__main__":
             use_cpu_initialization=True, bias_activation_fusion=False,
             masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
             apply_rope_fusion=False, gradient_accumulation_fusion=False,
+            share_embeddings_and_output_weights=False,  # an output layer of its own, as NeMo's Llama configs
             transformer_layer_spec=get_gpt_layer_local_spec(),
         )  # fmt: skip
 
@@ -69,6 +71,7 @@ if __name__ == "__main__":
             policy="fp_embeddings",
             schedule={"stages": [{"start": 0, "format": "fp8"}, {"start": 2, "format": "target"}]},
             calibration=4,
+            export_dir=EXPORT_DIR,
         )
         seen: list[dict] = []
         marks: dict[str, list[float]] = {}

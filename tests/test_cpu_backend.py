@@ -93,6 +93,7 @@ def test_uninstall_restores_modelopt_op():
     cpu_backend.uninstall_cpu_backend()
     try:
         assert tensor_quant.dynamic_block_quantize_op is not cpu_backend._cpu_dynamic_block_quantize_op
+        assert tensor_quant.fp8_eager is not cpu_backend._cpu_fp8_eager
         m = _mlp()
         mtq.quantize(m, mtq.NVFP4_DEFAULT_CFG, lambda mm: mm(torch.randn(2, 64)))
         with pytest.raises((AssertionError, RuntimeError)):  # modelopt alone cannot fake-quant NVFP4 on a CPU
@@ -116,3 +117,38 @@ def test_named_backend_selectable_in_config():
     assert m.weight_quantizer.backend == cpu_backend.BACKEND_NAME
     expect = fake_quant_nvfp4(m.weight, m.weight_quantizer.amax)
     assert torch.equal(m.weight_quantizer(m.weight), expect)
+
+
+# Two amaxes of SmolLM2 q/k/v layers, where modelopt's eager arithmetic rounds some weights one E4M3 step
+# away from its exporter; and one where the two happen to agree on these inputs.
+@pytest.mark.parametrize(("amax", "eager_differs"), [(1.421875, True), (3.453125, True), (0.7312, False)])
+def test_fp8_weights_fake_quantize_exactly_as_modelopt_exports_them(amax, eager_differs):
+    """modelopt's FP8 fake quant multiplies by 448/amax; its exporter writes fp8(w / (amax/448)) and
+    TensorRT-LLM multiplies the codes by amax/448. Training here must equal the exporter, code for code."""
+    from modelopt.torch.export.quant_utils import QUANTIZATION_FP8, to_quantized_weight
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.rand(512, 256, generator=g) * 2 - 1) * amax
+    a = torch.tensor(amax)
+    scale = a.float() / 448.0  # modelopt's get_scaling_factor: amax / maxbound
+    exported = to_quantized_weight(w, scale, QUANTIZATION_FP8).float() * scale
+    m = nn.Linear(256, 512, bias=False)
+    with torch.no_grad():
+        m.weight.copy_(w)
+    mtq.quantize(m, {"quant_cfg": _fp8_weight_only_cfg(), "algorithm": "max"}, lambda mm: mm(torch.randn(2, 256)))
+    m.weight_quantizer._amax.fill_(amax)
+    with torch.no_grad():
+        trained = m.weight_quantizer(m.weight)
+    assert torch.equal(trained, exported)
+    # modelopt's own eager arithmetic (what ran before the backend wrapped it): off by one E4M3 step somewhere
+    eager = cpu_backend._ORIGINAL_FP8(w, a)
+    assert torch.equal(eager, exported) is not eager_differs
+
+
+def _fp8_weight_only_cfg():
+    from nemo_fp4qat.modelopt_compat import uses_list_config
+
+    fp8 = {"num_bits": (4, 3), "axis": None}
+    if uses_list_config():
+        return [{"quantizer_name": "*", "enable": False}, {"quantizer_name": "*weight_quantizer", "cfg": fp8}]
+    return {"default": {"enable": False}, "*weight_quantizer": fp8}

@@ -26,6 +26,7 @@ from nemo_fp4qat.export import (
     validate_export,
 )
 from nemo_fp4qat.modelopt_compat import uses_list_config
+from nemo_fp4qat.policy import POLICY_PRESETS
 from nemo_fp4qat.w4a8_scaling import is_w4a8
 
 from reference_numerics import nvfp4_ref
@@ -36,7 +37,7 @@ FULL = {"patterns": ["*lm_head*", "*embed*", "*norm*"], "weight": "bf16", "group
 
 def _qat_model(policy, hidden=128, seed=0, kv_cache=None):
     model = tiny_llama(seed=seed, hidden=hidden)
-    if isinstance(policy, str) and policy not in ("trtllm_mixed", "default", "nvfp4_w4a8"):
+    if isinstance(policy, str) and policy not in POLICY_PRESETS:
         policy = LayerPolicy(rules=[FULL], default=policy, kv_cache=kv_cache)
     elif kv_cache:
         policy = LayerPolicy.preset(policy)
@@ -192,7 +193,7 @@ def test_export_does_not_change_the_trained_model(tmp_path):
 @pytest.mark.parametrize(
     ("policy", "hidden", "runtime", "needle"),
     [
-        ("default", 128, "trtllm", "MXFP8"),  # attention in MXFP8: no TRT-LLM kernel
+        ("conservative_attention", 128, "trtllm", "MXFP8"),  # attention in MXFP8: no TRT-LLM kernel
         ("mxfp4", 128, "trtllm", "mxfp4"),  # dense MXFP4 to TRT-LLM
         ("int4_awq", 64, "pytorch", "not divisible by the int4_awq block size 128"),
         ("mxfp6_e2m3", 128, "pytorch", "no MXFP6 exporter"),

@@ -33,24 +33,11 @@ def trained_gpt():
         yield model
 
 
-def _nemo_is_qnemo_checkpoint():
-    """NeMo's own ``is_qnemo_checkpoint``, loaded from its file: the package ``__init__`` imports
-    tensorrt_llm (not installable on CPU machines), the function itself does not need it."""
-    import importlib.util
-    from pathlib import Path
-
-    import nemo.export
-
-    path = Path(nemo.export.__file__).parent / "trt_llm" / "qnemo" / "utils.py"
-    spec = importlib.util.spec_from_file_location("nemo_qnemo_utils", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.is_qnemo_checkpoint
-
-
 @pytest.mark.parametrize("tp", [1, 2])
 def test_qnemo_export_of_megatron_gpt(tmp_path, trained_gpt, tp):
-    is_qnemo_checkpoint = _nemo_is_qnemo_checkpoint()
+    from megatron_utils import nemo_is_qnemo_checkpoint
+
+    is_qnemo_checkpoint = nemo_is_qnemo_checkpoint()
 
     out = export_checkpoint(trained_gpt, tmp_path / "qnemo", ExportConfig(kind="trtllm", tensor_parallel=tp))
     assert is_qnemo_checkpoint(str(out))

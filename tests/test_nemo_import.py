@@ -43,7 +43,7 @@ def test_import_is_cached(result):
 
 def test_policy_quantizes_nemo_and_hf_alike(result):
     # NeMo fuses q/k/v and gate/up: fewer modules, same formats per group
-    assert set(result["nemo_table"]) == set(result["hf_table"]) == {"attention:mxfp8/mxfp8", "mlp:nvfp4/nvfp4"}
+    assert set(result["nemo_table"]) == set(result["hf_table"]) == {"attention:fp8/fp8", "mlp:nvfp4/nvfp4"}
     assert result["layer0_fc1_changed"] > 0  # the quantizer does change the weights...
     assert result["layer0_fc1_max_diff"] == 0.0 and result["layer0_fc2_max_diff"] == 0.0  # ...identically
     loss = result["loss"]

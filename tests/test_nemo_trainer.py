@@ -17,12 +17,14 @@ from megatron_utils import free_port
 pytestmark = pytest.mark.nemo
 
 
-def _run(tmp_path, name, *args, steps=4, devices=1, tp=1):
+def _run(tmp_path, name, *args, steps=4, devices=1, tp=1, export_dir=None):
     out = tmp_path / f"{name}.json"
     worker = Path(__file__).parent / "nemo_trainer_worker.py"
     port = free_port()  # a fresh port: this pytest process may already hold MASTER_PORT
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "STEPS": str(steps),
            "DEVICES": str(devices), "TP": str(tp)}  # fmt: skip
+    if export_dir:
+        env["EXPORT_DIR"] = str(export_dir)
     proc = subprocess.run([sys.executable, str(worker), str(out), *args], capture_output=True, text=True,
                           timeout=900, cwd=tmp_path, env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -39,6 +41,28 @@ def test_nemo_gpt_trains_with_the_qat_callback_and_switches_formats(tmp_path):
     assert [s["block"] for s in res["seen"]][2:] == [16, 16]
     assert [(e["step"], e["group"], e["to"]) for e in res["history"]] == [(2, "other", "nvfp4")]
     assert all(math.isfinite(x) for x in res["losses"].values())
+
+
+def test_nemo_callback_writes_a_validated_trtllm_checkpoint_at_the_end_of_fit(tmp_path):
+    """NeMo QAT ends deployable: the callback's export_dir gets a TensorRT-LLM checkpoint that NeMo's
+    is_qnemo_checkpoint accepts, with NeMo's model context for the tokenizer, and whose every exported
+    weight was compared with the trained model (0 FP4 codes differ)."""
+    pytest.importorskip("nemo.collections.llm")
+    from megatron_utils import nemo_is_qnemo_checkpoint
+
+    out = tmp_path / "qnemo"
+    res = _run(tmp_path, "export", export_dir=out)
+    assert res["final_num_bits"] == [2, 1]
+    assert nemo_is_qnemo_checkpoint()(str(out))
+    assert (out / "nemo_context" / "model.yaml").is_file()
+    report = json.loads((out / "validation.json").read_text())
+    assert report["ok"], report["errors"]
+    num = report["numeric"]
+    assert num["layers_compared"] == sum(a is not None for a in report["layers"].values()) == 8
+    assert num["fp4_codes_compared"] > 0 and num["fp4_codes_different"] == 0
+    from nemo_fp4qat.export import validate_export
+
+    assert validate_export(out).ok  # what `nemo-fp4qat validate` checks without the model
 
 
 def test_nemo_checkpoint_resume_continues_stage_quantizers_and_losses(tmp_path):

@@ -21,7 +21,7 @@ def _fmt(table, module):
 
 def test_default_policy_on_megatron_names():
     table = LayerPolicy.preset("default").resolve(MegatronStyleGPT())
-    assert _fmt(table, "decoder.layers.0.self_attention.linear_qkv") == ("mxfp8", "mxfp8", "attention")
+    assert _fmt(table, "decoder.layers.0.self_attention.linear_qkv") == ("fp8", "fp8", "attention")
     assert _fmt(table, "decoder.layers.1.mlp.linear_fc2") == ("nvfp4", "nvfp4", "mlp")
     assert _fmt(table, "output_layer") == ("bf16", "bf16", "embedding_output_norm")
     assert _fmt(table, "embedding.word_embeddings")[0] == "bf16"
@@ -34,7 +34,7 @@ def test_default_policy_on_megatron_names():
 
 def test_default_policy_on_hf_llama_names():
     table = LayerPolicy.preset("default").resolve(tiny_llama())
-    assert _fmt(table, "model.layers.0.self_attn.k_proj")[:2] == ("mxfp8", "mxfp8")
+    assert _fmt(table, "model.layers.0.self_attn.k_proj")[:2] == ("fp8", "fp8")
     assert _fmt(table, "model.layers.1.mlp.gate_proj")[:2] == ("nvfp4", "nvfp4")
     assert _fmt(table, "lm_head")[0] == "bf16"
     assert table.groups()["mlp"] == [
@@ -48,6 +48,8 @@ def test_presets_differ_where_documented():
     assert _fmt(mlp_only, "model.layers.0.self_attn.q_proj")[0] == "bf16"
     deploy = LayerPolicy.preset("trtllm_mixed").resolve(m)
     assert _fmt(deploy, "model.layers.0.self_attn.q_proj")[0] == "fp8"
+    server = LayerPolicy.preset("conservative_attention")
+    assert _fmt(server.resolve(m), "model.layers.0.self_attn.q_proj")[0] == "mxfp8" and server.runtime == "pytorch"
     every = LayerPolicy.preset("fp_embeddings").resolve(m)
     assert _fmt(every, "model.layers.0.self_attn.q_proj")[0] == "nvfp4"
     assert LayerPolicy.preset("default").target_format.name == "nvfp4"
@@ -94,7 +96,7 @@ def test_yaml_policies_instantiate_with_hydra_target():
     p = LayerPolicy.resolve_spec(str(CONF / "policy" / "default.yaml"))
     assert p.name == "default" and p.target_format == get_format("nvfp4")
     t = p.resolve(tiny_llama())
-    assert _fmt(t, "model.layers.0.self_attn.o_proj")[0] == "mxfp8"
+    assert _fmt(t, "model.layers.0.self_attn.o_proj")[0] == "fp8"
     assert _fmt(t, "model.layers.0.mlp.down_proj")[0] == "nvfp4"
     d = LayerPolicy.resolve_spec(str(CONF / "policy" / "trtllm_mixed.yaml"))
     assert _fmt(d.resolve(MegatronStyleGPT()), "decoder.layers.0.self_attention.linear_proj")[0] == "fp8"
@@ -117,3 +119,21 @@ def test_w4a8_preset_keeps_fp4_weights_and_8_bit_inputs():
             t = p.resolve(model)
             assert _fmt(t, mlp) == ("nvfp4", "fp8", "mlp") and _fmt(t, attn) == ("fp8", "fp8", "attention")
             assert p.target_format == get_format("nvfp4")
+
+
+@pytest.mark.parametrize("path", sorted((CONF / "policy").glob("*.yaml")), ids=lambda p: p.stem)
+def test_each_conf_policy_file_is_its_preset(path):
+    """A user who switches from ``policy="<name>"`` to ``conf/policy/<name>.yaml`` gets the same run."""
+    from nemo_fp4qat.policy import POLICY_PRESETS
+
+    assert path.stem in POLICY_PRESETS, f"{path} has no preset of the same name"
+    assert LayerPolicy.resolve_spec(str(path)).to_dict() == LayerPolicy.preset(path.stem).to_dict()
+
+
+def test_default_deploys_to_tensorrt_llm_and_the_mxfp8_preset_says_it_does_not():
+    from nemo_fp4qat.policy import TRTLLM_PRESETS
+
+    assert "default" in TRTLLM_PRESETS and LayerPolicy.preset("default").runtime == "trtllm"
+    assert "conservative_attention" not in TRTLLM_PRESETS
+    with pytest.raises(ValueError, match="runtime='tensorrt'.*'trtllm'"):
+        LayerPolicy(runtime="tensorrt")

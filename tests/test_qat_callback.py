@@ -70,7 +70,7 @@ class FormatProbe(pl.Callback):
 def test_formats_follow_the_schedule_and_end_like_a_fresh_fp4_quantization():
     mlp, attn = "net.decoder.layers.0.mlp.linear_fc1", "net.decoder.layers.0.self_attention.linear_qkv"
     lit = LitLM(MegatronStyleGPT())
-    cb = FP4QATCallback(policy="default", schedule=SCHED, calibration=16)
+    cb = FP4QATCallback(policy="conservative_attention", schedule=SCHED, calibration=16)
     probe = FormatProbe([mlp, attn])
     _trainer([cb, probe], 14).fit(lit, loader())
     expected_mlp = ["bf16"] * 3 + ["fp8"] * 4 + ["mxfp6_e2m3"] * 4 + ["nvfp4"] * 3
@@ -89,7 +89,9 @@ def test_formats_follow_the_schedule_and_end_like_a_fresh_fp4_quantization():
     ]
     # FP8 -> FP6 -> FP4 leaves the same quantizers as quantizing straight to the policy formats
     fresh = LitLM(MegatronStyleGPT())
-    _trainer([FP4QATCallback(policy="default", schedule="direct", calibration=16)], 1).fit(fresh, loader())
+    _trainer([FP4QATCallback(policy="conservative_attention", schedule="direct", calibration=16)], 1).fit(
+        fresh, loader()
+    )
     sig = lambda m: {n: quantizer_format_signature(q) for n, q in m.named_modules() if n.endswith("_quantizer")}  # noqa: E731
     assert sig(lit) == sig(fresh)
 

@@ -32,7 +32,7 @@ from ..cpu_shims import modelopt_export_on_cpu
 from ..w4a8_scaling import w4a8_export_amax
 from .atomic import atomic_directory, write_manifest
 from .engine_plan import EnginePlan, write_engine_plan
-from .runtime_support import RUNTIMES, preflight
+from .runtime_support import RUNTIMES, ExportRefused, preflight
 
 __all__ = ["EXPORT_KINDS", "ExportConfig", "ExportValidationError", "export_checkpoint"]
 
@@ -140,10 +140,18 @@ def _export_trtllm(model: nn.Module, out: Path, cfg: ExportConfig) -> None:
     from modelopt.torch.export import export_tensorrt_llm_checkpoint
 
     _ensure_architectures(model)
+    decoder = _decoder_type(model, cfg.decoder_type)
+    if decoder == "gpt" and getattr(model, "share_embeddings_and_output_weights", False):
+        # modelopt asserts "lm_head not available for decoder gpt" deep inside the export
+        raise ExportRefused(
+            "This megatron GPT ties its output layer to the word embeddings, which modelopt's TensorRT-LLM export "
+            "supports for decoder types such as 'llama' or 'gpt2' but not 'gpt'. Train with "
+            "share_embeddings_and_output_weights=False, or pass decoder_type for a decoder that shares them."
+        )
     with modelopt_export_on_cpu(), torch.inference_mode():
         export_tensorrt_llm_checkpoint(
             model,
-            decoder_type=_decoder_type(model, cfg.decoder_type),
+            decoder_type=decoder,
             dtype=_dtype(model, cfg),
             export_dir=str(out),
             inference_tensor_parallel=cfg.tensor_parallel,
@@ -197,6 +205,7 @@ def export_checkpoint(
                 raise ExportValidationError(
                     f"The export to {out} failed validation; nothing was published:\n{report.format()}"
                 )
+            report.path = str(out)  # where it is published, not the scratch directory it was checked in
             (tmp / "validation.json").write_text(json.dumps(report.to_dict(), indent=2))
         import modelopt
 

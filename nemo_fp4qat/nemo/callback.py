@@ -103,6 +103,29 @@ class NeMoFP4QATCallback(FP4QATCallback):
 
         trainer.strategy.load_checkpoint = load_checkpoint
 
+    def export_model(self, pl_module: pl.LightningModule, out_dir: str) -> Any:
+        """The deployable artifact at the end of ``fit`` (``export_dir``): a TensorRT-LLM checkpoint (qnemo).
+
+        The same modelopt call NeMo's ``Quantizer.export`` makes (``export_tensorrt_llm_checkpoint`` on
+        the megatron-core module), plus what NeMo's route lacks: preflight against the runtime, W4A8
+        layers exported with their true amax (they train with 6 x amax, which NeMo's exporter would
+        write as-is), validation against the trained model, an atomic directory. The trainer's NeMo
+        context goes to ``nemo_context/`` (where ``nemo.export`` rebuilds the tokenizer, as after
+        ``llm.ptq``).
+        """
+        import tempfile
+
+        from nemo.lightning.io.pl import TrainerContext
+
+        from ..export import export_checkpoint
+
+        cfg = self.export if self.export is not None else {"kind": "trtllm", "runtime": self.controller.policy.runtime}
+        with tempfile.TemporaryDirectory(prefix="nemo_fp4qat-context-") as ctx:
+            TrainerContext.from_trainer(pl_module.trainer).io_dump(Path(ctx), yaml_attrs=["model"])
+            path = export_checkpoint(self.target_module(pl_module), out_dir, cfg, nemo_context=ctx)
+        rank_zero_info(f"nemo_fp4qat: exported to {path}")
+        return path
+
     def match_checkpoint(self, pl_module: pl.LightningModule, checkpoint_path: str | Path) -> bool:
         """Reconfigure the quantizers to a NeMo dist-checkpoint before its tensors are loaded."""
         from megatron.core import dist_checkpointing

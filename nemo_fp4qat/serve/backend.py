@@ -1,25 +1,22 @@
 """Serving backends for an exported checkpoint.
 
-``PyTorchBackend`` rebuilds the model from a unified HF export on the CPU with the plugin's own
-unpacker: linear weights are the exported codes x scales, and inputs of NVFP4 / FP8 layers are
-quantized with the exported ``input_scale`` (forward pre-hooks), so what is served is what was
-exported, not the training model. ``TRTLLMBackend`` hands the directory to TensorRT-LLM's LLM API
+``PyTorchBackend`` rebuilds the deployed model on the CPU
+(:func:`~nemo_fp4qat.export.deployed_model.load_deployed_model`, also what ``nemo-fp4qat eval``
+evaluates): linear weights are the exported codes x scales, and inputs of NVFP4 / FP8 layers are
+quantized with the exported ``input_scale``, so what is served is what was exported, not the
+training model. ``TRTLLMBackend`` hands the directory to TensorRT-LLM's LLM API
 when it is importable (GPU machines; not testable on CPUs, kept thin).
 """
 
 from __future__ import annotations
 
-import json
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from ..cpu_fake_quant import fake_quant_nvfp4
-from ..export.unpack import dequantize_linear
-from ..export.validate import load_export
+from ..export.deployed_model import load_deployed_model
 
 __all__ = ["Completion", "PyTorchBackend", "TRTLLMBackend", "load_backend"]
 
@@ -32,70 +29,24 @@ class Completion:
     finish_reason: str  # "stop" | "length" | "cancelled"
 
 
-def _fp8_fake_quant(x: torch.Tensor, scale: float) -> torch.Tensor:
-    return (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).to(x.dtype) * scale
-
-
 class PyTorchBackend:
-    """A CPU model built from the export directory (unified HF checkpoint)."""
+    """A CPU model rebuilt from the export directory (unified HF or TensorRT-LLM Llama checkpoint)."""
 
     name = "pytorch"
 
     def __init__(self, export_dir: str | Path, dtype: torch.dtype = torch.float32) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
         self.dir = Path(export_dir)
-        kind, qcfg, (tensors,) = load_export(self.dir)
-        if kind != "hf":
-            raise ValueError(f"{self.dir} is a {kind} checkpoint; the PyTorch backend serves unified HF exports.")
-        raw = json.loads((self.dir / "config.json").read_text())
-        raw.pop("quantization_config", None)
-        config = AutoConfig.for_model(**raw)
-        self.model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(self.dir)
+        deployed = load_deployed_model(self.dir, dtype)
+        if deployed.tokenizer is None:
+            raise ValueError(f"{self.dir} has no tokenizer; export with tokenizer=... to serve it.")
+        self.model, self.tokenizer, self.algos = deployed.model, deployed.tokenizer, deployed.algos
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token or self.tokenizer.unk_token
         self.tokenizer.padding_side = "left"
-        self.algos = self._load(tensors, qcfg, dtype)
         self.lock = threading.Lock()  # one generate() at a time; the server batches requests
         # HF fast tokenizers are not thread-safe ("Already borrowed"): the event loop counts prompt
         # tokens while the executor thread encodes/decodes a batch
         self.tok_lock = threading.Lock()
-
-    def _load(self, tensors: dict[str, torch.Tensor], qcfg: dict[str, Any], dtype: torch.dtype) -> dict[str, str]:
-        mixed = qcfg.get("quantized_layers") or {}
-        excluded = set(qcfg.get("exclude_modules") or [])
-        params = dict(self.model.named_parameters())
-        algos: dict[str, str] = {}
-        by_mod: dict[str, dict[str, torch.Tensor]] = {}
-        for k, v in tensors.items():
-            mod, _, attr = k.rpartition(".")
-            by_mod.setdefault(mod, {})[attr] = v
-        with torch.no_grad():
-            for mod, t in by_mod.items():
-                algo = mixed.get(mod, {}).get("quant_algo") if mixed else qcfg.get("quant_algo")
-                quantized = "weight_scale" in t and mod not in excluded and algo
-                if quantized:
-                    params[f"{mod}.weight"].copy_(dequantize_linear(t, algo).to(dtype))
-                    algos[mod] = str(algo).upper()
-                    self._input_hook(mod, algos[mod], t.get("input_scale"))
-                for attr, v in t.items():
-                    if f"{mod}.{attr}" in params and not (quantized and attr == "weight"):
-                        params[f"{mod}.{attr}"].copy_(v.to(dtype))
-        if getattr(self.model.config, "tie_word_embeddings", False):
-            self.model.tie_weights()
-        return algos
-
-    def _input_hook(self, mod: str, algo: str, input_scale: torch.Tensor | None) -> None:
-        if input_scale is None:
-            return
-        s = float(input_scale)
-        module = self.model.get_submodule(mod)
-        if algo == "NVFP4":
-            amax = s * 6.0 * 448.0  # input_scale = amax / (6 * 448)
-            module.register_forward_pre_hook(lambda m, a: (fake_quant_nvfp4(a[0], amax), *a[1:]))
-        elif algo in ("FP8", "W4A8_NVFP4_FP8"):  # W4A8: FP8 per-tensor inputs, input_scale = amax / 448
-            module.register_forward_pre_hook(lambda m, a: (_fp8_fake_quant(a[0], s), *a[1:]))
 
     @property
     def model_id(self) -> str:

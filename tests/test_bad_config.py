@@ -1,0 +1,63 @@
+"""Bad configuration is refused when it is constructed, before any training, with a message that names
+the field, the bad value and the fix (a table: each case and the words its error must contain)."""
+
+from __future__ import annotations
+
+import pytest
+
+from nemo_fp4qat import FP4QATCallback, LayerPolicy, QATController
+
+from tiny_models import tiny_llama
+
+PROGRESSIVE_TYPO = {"stages": [{"start": 0, "format": "fp8"}, {"start": 2, "format": "target"}],
+                    "group_offsets": {"atention": 1}}  # fmt: skip
+
+BAD = [
+    ("export kind", lambda: FP4QATCallback(export_dir="out", export={"kind": "onnx"}), r"Unknown export kind 'onnx'"),
+    ("export dtype", lambda: FP4QATCallback(export_dir="out", export={"dtype": "fp64"}), r"Unknown dtype 'fp64'"),
+    ("export runtime", lambda: FP4QATCallback(export={"runtime": "vllm"}), r"Unknown runtime 'vllm'"),
+    ("hf with TP", lambda: FP4QATCallback(export={"kind": "hf", "tensor_parallel": 2}), r"not split by tensor parall"),
+    ("TP < 1", lambda: FP4QATCallback(export={"kind": "trtllm", "tensor_parallel": 0}), r"tensor_parallel must be"),
+    ("runtime vs policy", lambda: FP4QATCallback(policy="conservative_attention", export={"runtime": "trtllm"}),
+     r"policy 'conservative_attention', which TensorRT-LLM cannot run.*runtime': 'pytorch'"),
+    ("offset typo", lambda: FP4QATCallback(schedule=PROGRESSIVE_TYPO), r"group 'atention'.*Did you mean 'attention'"),
+    ("calibration word", lambda: FP4QATCallback(calibration="lots"), r"calibration='lots' is not understood"),
+    ("calibration bool", lambda: FP4QATCallback(calibration=True), r"calibration=True is not understood"),
+    ("calibration field", lambda: FP4QATCallback(calibration={"num_sample": 1}), r"Unknown calibration field"),
+    ("calibration count", lambda: FP4QATCallback(calibration=0), r"num_samples must be a positive int"),
+    ("policy name", lambda: FP4QATCallback(policy="fastest"), r"neither a preset"),
+    ("policy runtime", lambda: LayerPolicy(runtime="tensorrt"), r"runtime='tensorrt' is not known"),
+    ("rule format", lambda: FP4QATCallback(policy={"rules": [{"patterns": ["*"], "weight": "nvfp5"}]}),
+     r"Unknown quantization format 'nvfp5'.*Did you mean 'nvfp4'"),
+    ("kv cache", lambda: LayerPolicy(kv_cache="int4"), r"kv_cache='int4' is not supported"),
+    ("schedule end", lambda: FP4QATCallback(schedule={"stages": [{"start": 0, "format": "fp6"}]}), r"fp6"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("build", "message"), [c[1:] for c in BAD], ids=[c[0] for c in BAD])
+def test_bad_configuration_is_refused_at_construction(build, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        build()
+
+
+def test_empty_calibration_data_is_refused_before_training():
+    ctl = QATController(policy="default", schedule="direct", calibration=4)
+    model = tiny_llama()
+    ctl.prepare(model)
+    with pytest.raises(ValueError, match="Calibration got no batches.*calibration_data"):
+        ctl.calibrate(model, iter([]))
+
+
+def test_preset_group_offsets_fit_policies_without_that_group():
+    """The progressive preset's attention offset is not an error for a policy that keeps attention unquantized."""
+    sched = {
+        "stages": [{"start": 0, "format": "fp8"}, {"start": 2, "format": "target"}],
+        "group_offsets": {"attention": 1},
+    }
+    assert QATController(policy="aggressive_mlp", schedule=sched).schedule.group_offsets == {"attention": 1}
+
+
+def test_export_runtime_follows_the_policy_when_not_given():
+    cb = FP4QATCallback(policy="conservative_attention", export_dir="out", export={"kind": "hf"})
+    assert cb.export.runtime == "pytorch"
+    assert FP4QATCallback(export={"kind": "hf"}).export.runtime == "trtllm"
