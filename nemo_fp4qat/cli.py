@@ -41,7 +41,8 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     return run_demo(out_dir=args.out, quick=args.quick, steps=args.steps, distill_alpha=args.distill,
-                    schedule=args.schedule, policy=args.policy)  # fmt: skip
+                    schedule=args.schedule, policy=args.policy, mode=args.mode, qad_lr=args.qad_lr,
+                    plain_qat=args.plain_qat or None)  # fmt: skip
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -176,8 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--out", default="runs/demo", help="output directory")
     d.add_argument("--quick", action="store_true", help="a few steps only (smoke test)")
     d.add_argument("--steps", type=int, help="training steps for the fine-tune and QAT runs")
-    d.add_argument("--distill", type=float, help="QAD: weight of the distillation loss (0..1)")
-    d.add_argument("--schedule", help="precision schedule preset or YAML (default: progressive)")
+    d.add_argument("--mode", choices=["qad", "qat"], help="QAT stage: qad (default: the PTQ model distilled from "
+                   "the fine-tune) or qat (plain QAT from the original model)")  # fmt: skip
+    d.add_argument("--qad-lr", type=float, help="learning rate of the QAD stage (default 5e-5)")
+    d.add_argument("--plain-qat", action="store_true", help="also run plain QAT and report it beside QAD")
+    d.add_argument("--distill", type=float, help="--mode qat: weight of distillation from the original (0..1)")
+    d.add_argument("--schedule", help="--mode qat: precision schedule preset or YAML (default: progressive)")
     d.add_argument("--policy", help="layer policy preset or YAML (default: default)")
     d.set_defaults(fn=_demo)
     e = sub.add_parser("eval", help="evaluate a model, or check a comparison report against the quality gate")

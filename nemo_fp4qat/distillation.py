@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,27 +27,45 @@ __all__ = ["DistillationConfig", "Distiller", "kd_loss"]
 @dataclass
 class DistillationConfig:
     """Attributes:
-    alpha: weight of the KL term (1.0: distillation only, 0.0: plain QAT).
-    temperature: softmax temperature of both distributions.
+    alpha: weight of the KL term (1.0: distillation only, the QAD default; 0.0: plain QAT).
+    temperature: softmax temperature of both distributions (NVIDIA's QAD recipe: 1).
+    teacher: the full-precision teacher. ``None``: a frozen copy of the model as it stands before
+        quantization (QAD started from a fine-tuned model: the fine-tune teaches its own PTQ); a
+        Hugging Face model directory (e.g. the BF16 fine-tune saved elsewhere); or an ``nn.Module``.
     """
 
     alpha: float = 1.0
     temperature: float = 1.0
+    teacher: Any = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"distillation alpha must be in [0, 1], got {self.alpha}")
         if self.temperature <= 0:
             raise ValueError(f"distillation temperature must be > 0, got {self.temperature}")
+        if isinstance(self.teacher, (str, Path)) and not (Path(self.teacher) / "config.json").is_file():
+            raise ValueError(
+                f"distillation teacher {str(self.teacher)!r} is not a Hugging Face model directory (no config.json); "
+                "give the BF16 model's folder, an nn.Module, or None for a copy of the model before quantization."
+            )
+        if self.teacher is not None and not isinstance(self.teacher, (str, Path, nn.Module)):
+            raise ValueError(
+                f"distillation teacher must be a path, an nn.Module or None, got {type(self.teacher).__name__}"
+            )
 
     @classmethod
     def resolve_spec(cls, spec: Any) -> DistillationConfig | None:
         if spec is None or spec is False:
             return None
-        if spec is True:
-            return cls()
+        if spec is True or spec == "qad":
+            return cls()  # KL only at T=1, the workflow NVIDIA's QAD report recommends
         if isinstance(spec, DistillationConfig):
             return spec
+        if not (isinstance(spec, dict) or hasattr(spec, "items")):
+            raise ValueError(
+                f"distillation={spec!r} is not understood; use True or 'qad' (KL only, T=1), a dict of "
+                "DistillationConfig fields (alpha, temperature, teacher) or a DistillationConfig."
+            )
         return cls(**{k: v for k, v in dict(spec).items() if k != "_target_"})
 
 
@@ -62,12 +81,23 @@ def kd_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float = 1
     return F.kl_div(s, p, log_target=True, reduction="batchmean") * (t * t)
 
 
+def _load_teacher(spec: Any, student: nn.Module) -> nn.Module:
+    if spec is None:
+        return copy.deepcopy(student)
+    if isinstance(spec, nn.Module):
+        return copy.deepcopy(spec)
+    from transformers import AutoModelForCausalLM
+
+    dtype = next((p.dtype for p in student.parameters() if p.is_floating_point()), torch.float32)
+    return AutoModelForCausalLM.from_pretrained(str(spec), dtype=dtype)
+
+
 class Distiller:
     """Holds the frozen teacher and mixes the KD loss into the student's training loss."""
 
     def __init__(self, student: nn.Module, cfg: DistillationConfig) -> None:
         self.cfg = cfg
-        self.teacher = copy.deepcopy(student).eval()
+        self.teacher = _load_teacher(cfg.teacher, student).eval()
         for p in self.teacher.parameters():
             p.requires_grad_(False)
         self._captured: tuple[Any, Any, torch.Tensor] | None = None

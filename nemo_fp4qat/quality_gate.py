@@ -94,13 +94,17 @@ def write_report(
     """``report.json``, ``report.md`` and PNG plots (perplexity by variant, loss curves by stage)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rec = None
+    rec = gap = None
     if {"ptq", "qat", "bf16_finetuned"} <= set(variants):
         rec = recovery(variants["ptq"]["ppl"], variants["qat"]["ppl"], variants["bf16_finetuned"]["ppl"])
+    if {"qat", "bf16_finetuned"} <= set(variants):
+        # the headline: no choice of PTQ baseline can inflate it
+        gap = variants["qat"]["ppl"] / variants["bf16_finetuned"]["ppl"] - 1.0
     gate_res = (gate or QualityGate()).check(variants) if {"qat", "bf16_finetuned"} <= set(variants) else None
     report = {
         "variants": variants,
         "recovery": rec,
+        "gap_to_bf16": gap,
         "gate": asdict(gate_res) if gate_res else None,
         "gate_config": asdict(gate or QualityGate()),
         "switches": switches or [],
@@ -112,6 +116,8 @@ def write_report(
     md = ["# nemo-fp4qat report", "", *_table(variants), ""]
     for kind, path in ((extra or {}).get("exports") or {}).items():
         md.append(f"Export ({'TensorRT-LLM checkpoint' if kind == 'trtllm' else 'unified HF checkpoint'}): `{path}`  ")
+    if gap is not None:
+        md.append(f"Gap to the BF16 fine-tune (ppl_QAT / ppl_BF16_finetuned - 1): **{100 * gap:.1f}%**  ")
     if rec is not None:
         md.append(f"Recovery (PTQ -> QAT gap closed vs the fine-tuned baseline): **{rec:.3f}**")
     if gate_res is not None:

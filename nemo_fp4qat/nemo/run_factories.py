@@ -9,7 +9,7 @@ extends the recipe's callback list with the list a factory returns::
     trainer:
       callbacks+=: fp4qat(policy=trtllm_mixed, schedule=progressive, calibration=256)
 
-    nemo llm finetune --factory llama3_8b -y conf/nemo_run/fp4qat.yaml
+    nemo llm finetune --factory llama3_8b --yaml conf/nemo_run/fp4qat.yaml
     nemo llm finetune --factory llama3_8b "trainer.callbacks+=fp4qat(policy=default)"
 """
 
