@@ -42,7 +42,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     return run_demo(out_dir=args.out, quick=args.quick, steps=args.steps, distill_alpha=args.distill,
                     schedule=args.schedule, policy=args.policy, mode=args.mode, qad_lr=args.qad_lr,
-                    plain_qat=args.plain_qat or None)  # fmt: skip
+                    qad_steps=args.qad_steps, plain_qat=args.plain_qat or None)  # fmt: skip
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -180,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--mode", choices=["qad", "qat"], help="QAT stage: qad (default: the PTQ model distilled from "
                    "the fine-tune) or qat (plain QAT from the original model)")  # fmt: skip
     d.add_argument("--qad-lr", type=float, help="learning rate of the QAD stage (default 5e-5)")
+    d.add_argument("--qad-steps", type=int, help="steps of the QAD stage (default: --steps)")
     d.add_argument("--plain-qat", action="store_true", help="also run plain QAT and report it beside QAD")
     d.add_argument("--distill", type=float, help="--mode qat: weight of distillation from the original (0..1)")
     d.add_argument("--schedule", help="--mode qat: precision schedule preset or YAML (default: progressive)")

@@ -41,6 +41,7 @@ class DemoConfig:
     # adds distillation from the original model).
     mode: str = "qad"
     qad_lr: float = 5e-5  # measured on this workload: 1e-5 recovers 0.23, 5e-5 0.39, 1e-4 0.40 (40 steps)
+    qad_steps: int = 0  # QAD steps (0: the fine-tune's `steps`); more steps cycle over the same data
     plain_qat: bool = False  # also run plain QAT (mode "qat") and report it beside the QAD row
     schedule: str = "progressive"
     distill_alpha: float = 0.0
@@ -64,7 +65,9 @@ def _windows(ids, n: int, seq: int):
     return t[:n] if n else t
 
 
-def _train(model, data, cfg: DemoConfig, out: Path, callbacks: list, name: str, lr: float | None = None) -> list[float]:
+def _train(
+    model, data, cfg: DemoConfig, out: Path, callbacks: list, name: str, lr: float | None = None, steps: int = 0
+) -> list[float]:
     import lightning.pytorch as pl
     import torch
     import torch.nn.functional as F
@@ -92,7 +95,7 @@ def _train(model, data, cfg: DemoConfig, out: Path, callbacks: list, name: str, 
 
     g = torch.Generator().manual_seed(cfg.seed)  # both runs see the same batches in the same order
     loader = DataLoader(data, batch_size=cfg.batch_size, shuffle=True, generator=g)
-    trainer = pl.Trainer(max_steps=cfg.steps, accelerator="cpu", default_root_dir=str(out / name),
+    trainer = pl.Trainer(max_steps=steps or cfg.steps, accelerator="cpu", default_root_dir=str(out / name),
                          enable_checkpointing=False, log_every_n_steps=1, callbacks=callbacks,
                          enable_model_summary=False)  # fmt: skip
     trainer.fit(LM(), loader)
@@ -170,18 +173,20 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, cfg: DemoConfig | 
         cb = FP4QATCallback(policy=cfg.policy, schedule="direct", calibration=cfg.calib_samples,
                             calibration_data=calib, forward_fn=lambda m, b: m.net(b), distillation="qad")  # fmt: skip
         mon = QuantizationMonitor(every_n_steps=max(1, cfg.steps // 2), out_dir=str(out / "quant_quality"))
-        return model, _train(model, train, cfg, out, [cb, mon], "qad", lr=cfg.qad_lr), cb, mon
+        steps = cfg.qad_steps or cfg.steps
+        return model, _train(model, train, cfg, out, [cb, mon], "qad", lr=cfg.qad_lr, steps=steps), cb, mon
 
     if cfg.mode == "qad":
         con.print(
-            f"[bold]4/5[/bold] QAD: PTQ model distilled from the fine-tune (KL, lr {cfg.qad_lr}), {cfg.steps} steps"
+            f"[bold]4/5[/bold] QAD: PTQ model distilled from the fine-tune (KL, lr {cfg.qad_lr}), "
+            f"{cfg.qad_steps or cfg.steps} steps"
         )
         if cfg.plain_qat:
             m, _, _, _ = plain_qat()
             variants["qat_plain"] = ev(m, f"plain QAT ({cfg.schedule}, from the original)")
             del m
         qat_model, qat_losses, qat_cb, monitor = qad()
-        method = f"QAD from the fine-tune (direct, KL only, lr {cfg.qad_lr})"
+        method = f"QAD from the fine-tune (direct, KL only, lr {cfg.qad_lr}, {cfg.qad_steps or cfg.steps} steps)"
     else:
         qad_note = f", distillation alpha {cfg.distill_alpha}" if cfg.distill_alpha > 0 else ""
         con.print(f"[bold]4/5[/bold] QAT ({cfg.schedule} schedule{qad_note}, same data and steps)")
