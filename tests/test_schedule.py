@@ -78,8 +78,24 @@ def test_effective_format_is_the_less_aggressive_of_stage_and_target():
     assert effective_format("fp8", get_format("bf16")).name == "bf16"
 
 
-def test_yaml_schedules():
-    s = PrecisionSchedule.resolve_spec(str(CONF / "schedule" / "progressive.yaml"))
+def test_yaml_schedules(tmp_path):
+    text = (
+        (CONF / "schedule" / "progressive.yaml")
+        .read_text()
+        .replace("group_offsets: {}", "group_offsets:\n  attention: 0.05")
+    )
+    (tmp_path / "offsets.yaml").write_text(text)
+    s = PrecisionSchedule.resolve_spec(str(tmp_path / "offsets.yaml"))
     assert s.group_offsets == {"attention": 0.05}
     assert s.stage_index(31, "mlp", 100) == 3 and s.stage_index(31, "attention", 100) == 2
     assert PrecisionSchedule.resolve_spec(str(CONF / "schedule" / "direct.yaml")).stages[0].format == "target"
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[1] / "conf" / "schedule").glob("*.yaml")),
+                         ids=lambda p: p.stem)  # fmt: skip
+def test_each_conf_schedule_file_is_its_preset(path):
+    """A user who switches from ``schedule="<name>"`` to ``conf/schedule/<name>.yaml`` gets the same run."""
+    from nemo_fp4qat.schedule import SCHEDULE_PRESETS
+
+    assert path.stem in SCHEDULE_PRESETS, f"{path} has no preset of the same name"
+    assert PrecisionSchedule.resolve_spec(str(path)).to_dict() == PrecisionSchedule.resolve_spec(path.stem).to_dict()
