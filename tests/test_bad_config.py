@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from nemo_fp4qat import FP4QATCallback, LayerPolicy, QATController
+from nemo_fp4qat import FP4QATCallback, LayerPolicy, PrecisionSchedule, QATController, QuantizationMonitor
+from nemo_fp4qat.calibration import CalibrationConfig
+from nemo_fp4qat.distillation import DistillationConfig
+from nemo_fp4qat.export import ExportConfig
+from nemo_fp4qat.policy import PolicyRule
 
 from tiny_models import tiny_llama
 
@@ -31,12 +35,38 @@ BAD = [
      r"Unknown quantization format 'nvfp5'.*Did you mean 'nvfp4'"),
     ("kv cache", lambda: LayerPolicy(kv_cache="int4"), r"kv_cache='int4' is not supported"),
     ("schedule end", lambda: FP4QATCallback(schedule={"stages": [{"start": 0, "format": "fp6"}]}), r"fp6"),
+    ("schedule preset", lambda: PrecisionSchedule.resolve_spec("fastest"), r"'fastest' is neither a preset"),
+    ("stage format", lambda: PrecisionSchedule(stages=[{"start": 0, "format": "fp5"}]), r"Unknown quantization format"),
+    ("stage start", lambda: PrecisionSchedule(stages=[{"start": -1, "format": "target"}]), r"non-negative step"),
+    ("first stage", lambda: PrecisionSchedule(stages=[{"start": 5, "format": "fp8"}, {"start": 9, "format": "target"}]),
+     r"first stage must start at 0"),
+    ("no stages", lambda: PrecisionSchedule(stages=[]), r"needs at least one stage"),
+    ("offset sign", lambda: PrecisionSchedule(stages=[{"start": 0, "format": "target"}], group_offsets={"mlp": -1}),
+     r"group_offsets\['mlp'\] must be a non-negative number"),
+    ("ramp sign", lambda: PrecisionSchedule(stages=[{"start": 0, "format": "target"}], ramp_steps=-2), r"ramp_steps"),
+    ("schedule field", lambda: PrecisionSchedule.resolve_spec({"stages": [{"start": 0, "format": "fp8"}], "ramp": 1}),
+     r"unexpected keyword argument 'ramp'"),
+    ("rule patterns", lambda: PolicyRule(patterns=[]), r"at least one non-empty glob pattern"),
+    ("rule group", lambda: PolicyRule(patterns=["*"], group=""), r"group must be a non-empty string"),
+    ("rule field", lambda: LayerPolicy(rules=[{"patterns": ["*"], "wieght": "nvfp4"}]), r"rule 0 is invalid.*'wieght'"),
+    ("rule type", lambda: LayerPolicy(rules=[3]), r"rule 0 must be a PolicyRule or a dict"),
+    ("policy default", lambda: LayerPolicy(default="fp3"), r"Unknown quantization format 'fp3'"),
+    ("policy file", lambda: LayerPolicy.resolve_spec("nope.yaml"), r"'nope.yaml' does not exist"),
+    ("distill alpha", lambda: DistillationConfig(alpha=2), r"alpha must be in \[0, 1\]"),
+    ("distill temperature", lambda: DistillationConfig(temperature=0), r"temperature must be > 0"),
+    ("distill teacher", lambda: DistillationConfig(teacher="/nonexistent"), r"not a Hugging Face model directory"),
+    ("distill word", lambda: FP4QATCallback(distillation="lots"), r"distillation='lots' is not understood"),
+    ("monitor action", lambda: QuantizationMonitor(action="explode"), r"action must be one of"),
+    ("monitor cadence", lambda: QuantizationMonitor(every_n_steps=0), r"every_n_steps must be a positive int"),
+    ("calibration fraction", lambda: CalibrationConfig(num_samples=1.5), r"num_samples must be a positive int"),
+    ("engine plan field", lambda: ExportConfig(plan={"max_batch": -1}), r"unexpected keyword argument 'max_batch'"),
+    ("export TP sign", lambda: ExportConfig(kind="trtllm", tensor_parallel=-1), r"tensor_parallel must be >= 1"),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize(("build", "message"), [c[1:] for c in BAD], ids=[c[0] for c in BAD])
 def test_bad_configuration_is_refused_at_construction(build, message):
-    with pytest.raises((ValueError, TypeError), match=message):
+    with pytest.raises((ValueError, TypeError, FileNotFoundError), match=message):
         build()
 
 
