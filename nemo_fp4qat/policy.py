@@ -108,16 +108,21 @@ _MLP = [
     "*mlp.fc1", "*mlp.fc2", "*mlp.c_fc", "*mlp.c_proj", "*dense_h_to_4h", "*dense_4h_to_h",
 ]  # fmt: skip
 
+
+def _attention_mlp(
+    attention: str, mlp_input: str = "same", default: str = "nvfp4", runtime: str = "trtllm"
+) -> dict[str, Any]:
+    """Embeddings / output / norms in full precision, attention in ``attention``, MLP NVFP4 weights with
+    ``mlp_input`` activations, other linears ``default``: the shape the attention-vs-MLP presets share."""
+    mlp = dict(patterns=_MLP, weight="nvfp4", group="mlp")
+    if mlp_input != "same":
+        mlp["input"] = mlp_input
+    rules = [_EMBED_OUT_NORM, dict(patterns=_ATTENTION, weight=attention, group="attention"), mlp]
+    return {"rules": rules, "default": default, "runtime": runtime}
+
+
 # FP8 attention + NVFP4 MLP: what TensorRT-LLM deploys as MIXED_PRECISION (per-layer FP8 / NVFP4).
-_FP8_ATTENTION_NVFP4_MLP = {
-    "rules": [
-        _EMBED_OUT_NORM,
-        dict(patterns=_ATTENTION, weight="fp8", group="attention"),
-        dict(patterns=_MLP, weight="nvfp4", group="mlp"),
-    ],
-    "default": "nvfp4",
-    "runtime": "trtllm",
-}
+_FP8_ATTENTION_NVFP4_MLP = _attention_mlp("fp8")
 
 # ``runtime``: where the preset's export deploys. "trtllm": TensorRT-LLM has a kernel for every layer
 # (tested on the embedded SmolLM2: HF and TRT-LLM checkpoints, TP 1 and 2, validated); "pytorch":
@@ -140,27 +145,11 @@ POLICY_PRESETS: dict[str, dict[str, Any]] = {
     # Attention projections at 8 bits with per-32 block scales (MXFP8: finer scaling than FP8's one
     # scale per tensor); everything else NVFP4. TensorRT-LLM has no dense MXFP8 kernel: this preset
     # deploys on this plugin's own server only (export with runtime="pytorch").
-    "conservative_attention": {
-        "rules": [
-            _EMBED_OUT_NORM,
-            dict(patterns=_ATTENTION, weight="mxfp8", group="attention"),
-            dict(patterns=_MLP, weight="nvfp4", group="mlp"),
-        ],
-        "default": "nvfp4",
-        "runtime": "pytorch",
-    },
+    "conservative_attention": _attention_mlp("mxfp8", runtime="pytorch"),
     # FP4 weights, 8-bit activations: NVFP4 MLP weights with FP8 inputs (TensorRT-LLM W4A8_NVFP4_FP8),
     # FP8 attention. Same weight memory as "default"; on the demo model the MLP's NVFP4 *activations*
     # are about half of the FP4 perplexity loss (benchmarks/RESULTS.md), which this keeps out.
-    "nvfp4_w4a8": {
-        "rules": [
-            _EMBED_OUT_NORM,
-            dict(patterns=_ATTENTION, weight="fp8", group="attention"),
-            dict(patterns=_MLP, weight="nvfp4", input="fp8", group="mlp"),
-        ],
-        "default": "fp8",
-        "runtime": "trtllm",
-    },
+    "nvfp4_w4a8": _attention_mlp("fp8", mlp_input="fp8", default="fp8"),
 }
 TRTLLM_PRESETS = tuple(n for n, p in POLICY_PRESETS.items() if p["runtime"] == "trtllm")
 
