@@ -259,14 +259,7 @@ class FP4QATCallback(pl.Callback):
 
         module = self.target_module(pl_module)
         # default: unified HF checkpoint for Hugging Face models, TRT-LLM (qnemo) for megatron-core ones
-        cfg = (
-            self.export
-            if self.export is not None
-            else {
-                "kind": "hf" if hasattr(module, "save_pretrained") else "trtllm",
-                "runtime": self.controller.policy.runtime,
-            }
-        )
+        cfg = self.export or self._check_export({"kind": "hf" if hasattr(module, "save_pretrained") else "trtllm"})
         path = export_checkpoint(module, out_dir, cfg, tokenizer=getattr(pl_module, "tokenizer", None))
         rank_zero_info(f"nemo_fp4qat: exported to {path}")
         return path

@@ -209,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         "`modelopt.torch.opt.save(model, PATH)` wrote after training (quantizers, formats, amax and weights), "
         "then export it validated and atomically. In training, FP4QATCallback(export_dir=..., export={...}) "
         "does the same at the end of fit without this step; `make demo` exports to runs/demo/export "
-        "(unified HF) and runs/demo/export_trtllm (TensorRT-LLM checkpoint, qnemo layout). NeMo checkpoints: "
-        "python -m nemo_fp4qat.nemo.export (see README).",
+        "(unified HF) and runs/demo/export_trtllm (TensorRT-LLM checkpoint, qnemo layout). NeMo training: "
+        "NeMoFP4QATCallback(export_dir=...) writes the TensorRT-LLM checkpoint at the end of fit (see README).",
     )
     x.add_argument("--model", required=True, help="the Hugging Face model directory the QAT run started from")
     x.add_argument("--modelopt-state", required=True, help="file written by mto.save(model, PATH) after QAT")

@@ -234,7 +234,9 @@ def fake_quant_block(
 _FP8_AMAX_EPS = 1.0 / (1 << 24)
 
 
-def fake_quant_fp8(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+def fake_quant_fp8(
+    x: torch.Tensor, amax: torch.Tensor | None = None, scale: torch.Tensor | None = None
+) -> torch.Tensor:
     """FP8 (E4M3) per-tensor / per-channel fake quant in the arithmetic of the export and the kernel.
 
     modelopt's fake quant (``_fp8_eager`` and its CUDA ``fake_e4m3fy``) computes
@@ -244,9 +246,17 @@ def fake_quant_fp8(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     differ by a float32 ulp, which moves elements next to an E4M3 rounding boundary by a whole E4M3
     step: on SmolLM2 about 100 weights per FP8 q/k/v layer exported one step (up to 11%) away from
     what was trained. Here training divides by the exported scale, so what deploys is what trained.
+
+    Args:
+        amax: the quantizer's amax (training); the scale is ``amax / 448``.
+        scale: an exported ``weight_scale`` / ``input_scale`` itself (serving), used as given:
+            recomputing it from ``scale * 448`` could move it by an ulp.
     """
+    if scale is None:
+        if amax is None:
+            raise ValueError("fake_quant_fp8 needs amax (training) or scale (an exported scale).")
+        a = amax.to(device=x.device, dtype=torch.float32)
+        scale = torch.where(a <= _FP8_AMAX_EPS, torch.ones_like(a), a) / 448.0  # the exported weight_scale
     dtype = x.dtype
-    a = amax.to(device=x.device, dtype=torch.float32)
-    scale = torch.where(a <= _FP8_AMAX_EPS, torch.ones_like(a), a) / 448.0  # the exported weight_scale
     q = (x.to(torch.float32) / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     return (q.to(torch.float32) * scale).to(dtype)

@@ -171,28 +171,28 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, cfg: DemoConfig | 
         mon = QuantizationMonitor(every_n_steps=max(1, cfg.steps // 2), out_dir=str(out / "quant_quality"))
         return model, _train(model, train, cfg, out, [cb, mon], "qat"), cb, mon
 
+    qad_steps = cfg.qad_steps or cfg.steps
+
     def qad() -> tuple[Any, list[float], FP4QATCallback, QuantizationMonitor]:
         # the student starts where PTQ left the fine-tune (same calibration data); the teacher is the
         # fine-tune itself (the callback's frozen copy before quantization)
         model = copy.deepcopy(ft)
         cb = FP4QATCallback(policy=cfg.policy, schedule="direct", calibration=cfg.calib_samples,
                             calibration_data=calib, forward_fn=lambda m, b: m.net(b), distillation="qad")  # fmt: skip
-        steps = cfg.qad_steps or cfg.steps
         # one switch (step 0) and the end: each full-model analysis costs about 20 s on 2 cores
-        mon = QuantizationMonitor(every_n_steps=steps, out_dir=str(out / "quant_quality"))
-        return model, _train(model, train, cfg, out, [cb, mon], "qad", lr=cfg.qad_lr, steps=steps), cb, mon
+        mon = QuantizationMonitor(every_n_steps=qad_steps, out_dir=str(out / "quant_quality"))
+        return model, _train(model, train, cfg, out, [cb, mon], "qad", lr=cfg.qad_lr, steps=qad_steps), cb, mon
 
     if cfg.mode == "qad":
         con.print(
-            f"[bold]4/5[/bold] QAD: PTQ model distilled from the fine-tune (KL, lr {cfg.qad_lr}), "
-            f"{cfg.qad_steps or cfg.steps} steps"
+            f"[bold]4/5[/bold] QAD: PTQ model distilled from the fine-tune (KL, lr {cfg.qad_lr}), {qad_steps} steps"
         )
         if cfg.plain_qat:
             m, _, _, _ = plain_qat()
             variants["qat_plain"] = ev(m, f"plain QAT ({cfg.schedule}, from the original)")
             del m
         qat_model, qat_losses, qat_cb, monitor = qad()
-        method = f"QAD from the fine-tune (direct, KL only, lr {cfg.qad_lr}, {cfg.qad_steps or cfg.steps} steps)"
+        method = f"QAD from the fine-tune (direct, KL only, lr {cfg.qad_lr}, {qad_steps} steps)"
     else:
         qad_note = f", distillation alpha {cfg.distill_alpha}" if cfg.distill_alpha > 0 else ""
         con.print(f"[bold]4/5[/bold] QAT ({cfg.schedule} schedule{qad_note}, same data and steps)")

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..cpu_fake_quant import fake_quant_nvfp4
+from ..cpu_fake_quant import fake_quant_fp8, fake_quant_nvfp4
 from .unpack import dequantize_linear
 from .validate import _heads, _merge_ranks, load_export
 
@@ -184,10 +184,4 @@ def _input_hook(module: nn.Module, algo: str, input_scale: torch.Tensor | None) 
     if algo == "NVFP4":  # input_scale = amax / (6 * 448): the NVFP4 global scale itself
         module.register_forward_pre_hook(lambda m, a: (fake_quant_nvfp4(a[0], None, global_scale=scale), *a[1:]))
     elif algo in ("FP8", "W4A8_NVFP4_FP8"):  # FP8 per-tensor inputs, input_scale = amax / 448
-        module.register_forward_pre_hook(lambda m, a: (_fp8_input(a[0], scale), *a[1:]))
-
-
-def _fp8_input(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    # the exported scale itself (recomputing it from amax = scale * 448 could move it by an ulp)
-    q = (x.to(torch.float32) / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    return (q.to(torch.float32) * scale).to(x.dtype)
+        module.register_forward_pre_hook(lambda m, a: (fake_quant_fp8(a[0], scale=scale), *a[1:]))

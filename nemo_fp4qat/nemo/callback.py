@@ -119,7 +119,7 @@ class NeMoFP4QATCallback(FP4QATCallback):
 
         from ..export import export_checkpoint
 
-        cfg = self.export if self.export is not None else {"kind": "trtllm", "runtime": self.controller.policy.runtime}
+        cfg = self.export or self._check_export({"kind": "trtllm"})
         with tempfile.TemporaryDirectory(prefix="nemo_fp4qat-context-") as ctx:
             TrainerContext.from_trainer(pl_module.trainer).io_dump(Path(ctx), yaml_attrs=["model"])
             path = export_checkpoint(self.target_module(pl_module), out_dir, cfg, nemo_context=ctx)
