@@ -8,7 +8,7 @@ NEMO := .venv-nemo
 BENCH_SITE := .bench-site
 PIP_QUIET := -q --disable-pip-version-check
 
-.PHONY: demo test test-core test-nemo lint env bench bench-accuracy clean
+.PHONY: demo test test-core test-nemo lint env bench bench-accuracy mutate clean
 
 env: $(CORE)/.stamp $(NEMO)/.stamp
 
@@ -58,6 +58,16 @@ bench: $(CORE)/.stamp
 bench-accuracy: $(BENCH_SITE)/.stamp
 	PYTHONPATH=$(BENCH_SITE) $(CORE)/bin/python benchmarks/bench_accuracy_seeds.py
 	$(CORE)/bin/python benchmarks/run_all.py --only-collect
+
+# Mutation testing (#18): mutmut over the numeric / safety-critical modules plus hand-written mutations of the
+# C kernel source; writes benchmarks/results/mutation.{json,md}. Quick targets by default (about 15 minutes on
+# 2 cores); MUTATE_TARGETS=all for every module (hours).
+$(CORE)/.mutmut-stamp: requirements/mutate.txt $(CORE)/.stamp
+	$(CORE)/bin/pip install $(PIP_QUIET) -r requirements/mutate.txt 2>&1 | $(QUIET_PIP)
+	touch $@
+
+mutate: $(CORE)/.mutmut-stamp
+	$(CORE)/bin/python benchmarks/run_mutation.py
 
 clean:
 	rm -rf $(CORE) $(NEMO) $(BENCH_SITE) runs .pytest_cache

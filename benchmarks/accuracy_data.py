@@ -10,9 +10,9 @@ from typing import Any
 import torch
 
 from nemo_fp4qat import QATController
-from nemo_fp4qat.demo import DemoConfig, _windows
-from nemo_fp4qat.demo_model import load_corpus, load_smollm2
-from nemo_fp4qat.evaluation import evaluate
+from nemo_fp4qat.demo.model import load_corpus, load_smollm2
+from nemo_fp4qat.demo.pipeline import DemoConfig, _windows
+from nemo_fp4qat.eval.evaluation import evaluate
 
 
 @dataclass

@@ -21,8 +21,8 @@ from accuracy_data import load_accuracy_data
 from common import RESULTS_DIR, machine
 
 from nemo_fp4qat import FP4QATCallback
-from nemo_fp4qat.demo import DemoConfig, _train
-from nemo_fp4qat.quality_gate import recovery
+from nemo_fp4qat.demo.pipeline import DemoConfig, _train
+from nemo_fp4qat.eval.gate import recovery
 
 PRESETS = ["fp_embeddings", "aggressive_mlp", "conservative_attention", "trtllm_mixed"]
 

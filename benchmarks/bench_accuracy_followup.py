@@ -4,7 +4,7 @@ column for the main rows of ``bench_accuracy.py``.
 1. Decomposition: PTQ of the BF16 fine-tuned model under policies that quantize one part at a time
    (MLP weights only, MLP weights + activations, attention only, MLP with ``down_proj``'s input kept
    in full precision). Perplexity on Persuasion.
-2. Multiple choice: next-sentence tasks from Persuasion (``nemo_fp4qat.cloze_tasks``, 4 choices,
+2. Multiple choice: next-sentence tasks from Persuasion (``nemo_fp4qat.eval.tasks``, 4 choices,
    chance 0.25) for the original model, the BF16 fine-tune, its PTQ, our progressive QAT and
    modelopt's plain QAT (same data, steps and settings as ``bench_accuracy.py``).
 
@@ -22,10 +22,10 @@ from accuracy_data import load_accuracy_data
 from common import RESULTS_DIR, machine
 
 from nemo_fp4qat import FP4QATCallback
-from nemo_fp4qat.cloze_tasks import next_sentence_tasks
-from nemo_fp4qat.demo import DemoConfig, _train
-from nemo_fp4qat.evaluation import multiple_choice_accuracy
-from nemo_fp4qat.policy import POLICY_PRESETS
+from nemo_fp4qat.demo.pipeline import DemoConfig, _train
+from nemo_fp4qat.eval.evaluation import multiple_choice_accuracy
+from nemo_fp4qat.eval.tasks import next_sentence_tasks
+from nemo_fp4qat.qat.policy import POLICY_PRESETS
 
 MC_TASKS = 100
 _KEEP = POLICY_PRESETS["default"]["rules"][0]  # embeddings, lm_head, norms in full precision

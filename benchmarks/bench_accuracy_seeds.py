@@ -29,10 +29,10 @@ from common import RESULTS_DIR, machine
 from peer_torchao import TORCHAO_VERSION, prepare_torchao_nvfp4_qat, torchao_available
 
 from nemo_fp4qat import FP4QATCallback
-from nemo_fp4qat.cloze_tasks import next_sentence_tasks
-from nemo_fp4qat.demo import DemoConfig, _train
-from nemo_fp4qat.evaluation import multiple_choice_accuracy
-from nemo_fp4qat.quality_gate import recovery
+from nemo_fp4qat.demo.pipeline import DemoConfig, _train
+from nemo_fp4qat.eval.evaluation import multiple_choice_accuracy
+from nemo_fp4qat.eval.gate import recovery
+from nemo_fp4qat.eval.tasks import next_sentence_tasks
 
 MC_TASKS = 100
 FT = "bf16 fine-tuned (baseline)"

@@ -16,8 +16,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import best_of, machine, write_result
 
-from nemo_fp4qat import cpu_fake_quant as cfq
-from nemo_fp4qat.cpu_shims import modelopt_export_on_cpu
+from nemo_fp4qat.numerics import fake_quant as cfq
+from nemo_fp4qat.numerics.cpu_shims import modelopt_export_on_cpu
 
 
 def main() -> dict:

@@ -23,7 +23,7 @@ def main(report_path: str | None = None) -> dict:
     from common import machine, write_result
 
     if report_path is None:
-        from nemo_fp4qat.demo import run_demo
+        from nemo_fp4qat.demo.pipeline import run_demo
 
         out = Path(tempfile.mkdtemp(prefix="nemo_fp4qat_demo_"))
         t = time.time()

@@ -15,7 +15,7 @@ import torch
 from common import RESULTS_DIR, machine
 
 from nemo_fp4qat import QATController
-from nemo_fp4qat.demo_model import load_corpus, load_smollm2
+from nemo_fp4qat.demo.model import load_corpus, load_smollm2
 from nemo_fp4qat.export import ExportConfig, export_checkpoint, load_export
 
 POLICIES = {

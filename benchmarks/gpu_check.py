@@ -86,7 +86,7 @@ def throughput():
     from modelopt.torch.quantization.nn import TensorQuantizer
     from modelopt.torch.quantization.qtensor import NVFP4QTensor
 
-    from nemo_fp4qat.cpu_fake_quant import fake_quant_mx, fake_quant_nvfp4
+    from nemo_fp4qat.numerics.fake_quant import fake_quant_mx, fake_quant_nvfp4
 
     x = torch.randn(4096, 4096, device="cuda")
     q = TensorQuantizer(

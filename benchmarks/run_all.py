@@ -14,8 +14,8 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
 BENCHES = ["bench_cpu_fakequant", "bench_training_overhead", "bench_demo", "bench_export_size", "bench_serve"]
-# Sections written by hand or by runs elsewhere (the GPU check) are kept as files in results/.
-STATIC = ["gpu_h200"]
+# Rendered from committed results of runs elsewhere (the GPU check's JSON): no machine needed.
+RENDERERS = ["render_gpu"]
 
 
 def main() -> None:
@@ -23,11 +23,15 @@ def main() -> None:
     if "--only-collect" not in sys.argv[1:]:
         for name in BENCHES:
             importlib.import_module(name).main()
+    for name in RENDERERS:
+        importlib.import_module(name).main()
     parts = [
         "# Benchmark results",
         "",
-        "Every figure is a ratio measured side by side in one run. "
-        "Regenerate with `make bench` (CPU) and `benchmarks/gpu_check.py` (on a GPU).",
+        "Every section below is written by the script it names, from a committed results file "
+        "(`benchmarks/results/`); speed and memory figures are ratios measured side by side in one run. "
+        "Regenerate with `make bench` (CPU), `make bench-accuracy`, `make mutate`, and `benchmarks/gpu_check.py` "
+        "on a GPU (then `benchmarks/render_gpu.py`). Hand-written reading notes live in `benchmarks/notes/`.",
         "",
     ]
     for f in sorted((HERE / "results").glob("*.md")):

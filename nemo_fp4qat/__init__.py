@@ -8,16 +8,18 @@ only when used.
 
 from __future__ import annotations
 
-from .calibration import CalibrationConfig
-from .callback import FP4QATCallback
-from .controller import QATController
-from .cpu_backend import cpu_backend_installed, install_cpu_backend, uninstall_cpu_backend
-from .distillation import DistillationConfig
-from .formats import FORMATS, QuantFormat, get_format, list_formats
-from .mixin import FP4QATMixin
-from .monitor import Finding, MonitorThresholds, QuantizationMonitor, analyze_model
-from .policy import POLICY_PRESETS, LayerPolicy, PolicyRule, PolicyTable
-from .schedule import SCHEDULE_PRESETS, PrecisionSchedule, Stage
+from .lightning.callback import FP4QATCallback
+from .lightning.mixin import FP4QATMixin
+from .lightning.monitor import QuantizationMonitor
+from .monitor import Finding, MonitorThresholds, analyze_model
+from .numerics.cpu_backend import cpu_backend_installed, install_cpu_backend, uninstall_cpu_backend
+from .numerics.formats import FORMATS, QuantFormat, get_format, list_formats
+from .qat.calibration import CalibrationConfig
+from .qat.config import QATConfig
+from .qat.controller import QATController
+from .qat.distillation import DistillationConfig
+from .qat.policy import POLICY_PRESETS, LayerPolicy, PolicyRule, PolicyTable
+from .qat.schedule import SCHEDULE_PRESETS, PrecisionSchedule, Stage
 
 __version__ = "0.1.0"
 
@@ -35,6 +37,7 @@ __all__ = [
     "PolicyRule",
     "PolicyTable",
     "PrecisionSchedule",
+    "QATConfig",
     "QATController",
     "QuantFormat",
     "QuantizationMonitor",

@@ -12,7 +12,7 @@ def _formats(_: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .formats import list_formats
+    from .numerics.formats import list_formats
 
     t = Table(title="nemo-fp4qat formats")
     for col in ("name", "element", "block", "scale", "bits/elem", "TRT-LLM quant_algo", "native on"):
@@ -38,7 +38,7 @@ def _formats(_: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from .demo.pipeline import run_demo
 
     return run_demo(out_dir=args.out, quick=args.quick, steps=args.steps, distill_alpha=args.distill,
                     schedule=args.schedule, policy=args.policy, mode=args.mode, qad_lr=args.qad_lr,
@@ -49,7 +49,7 @@ def _eval(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from .quality_gate import QualityGate
+    from .eval.gate import QualityGate
 
     if args.report:
         report = json.loads(Path(args.report).read_text())
@@ -87,7 +87,7 @@ def _eval_model(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from .evaluation import evaluate, load_mc_tasks
+    from .eval.evaluation import evaluate, load_mc_tasks
     from .export.deployed_model import is_export_dir, load_deployed_model
 
     if is_export_dir(args.model):
@@ -104,8 +104,8 @@ def _eval_model(args: argparse.Namespace) -> int:
     if args.text:
         text, window, windows = Path(args.text).read_text(), args.window or 512, args.windows or 16
     else:  # the demo's validation set, so the figure is comparable with runs/demo/report.json
-        from .demo import DemoConfig
-        from .demo_model import load_corpus
+        from .demo.model import load_corpus
+        from .demo.pipeline import DemoConfig
 
         d = DemoConfig()
         text, window, windows = load_corpus("persuasion"), args.window or d.eval_window, args.windows or d.eval_windows
@@ -170,7 +170,8 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``nemo-fp4qat`` command line (tests parse every documented command with it)."""
     p = argparse.ArgumentParser(prog="nemo-fp4qat", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="run the end-to-end FP4 QAT demo on the embedded default")
@@ -227,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--runtime", default="trtllm", choices=["trtllm", "pytorch"])
     v.add_argument("--json", action="store_true")
     v.set_defaults(fn=_validate)
-    s = sub.add_parser("serve", help="serve an exported checkpoint over HTTP (OpenAI-style completions)")
+    s = sub.add_parser("serve", help="serve an exported checkpoint over HTTP (the OpenAI completions and chat API)")
     s.add_argument("export_dir")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
@@ -238,7 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-batch-size", type=int, default=8)
     s.add_argument("--timeout", type=float, default=60.0, help="seconds before a request is cancelled (504)")
     s.set_defaults(fn=_serve)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return int(args.fn(args) or 0)
 
 

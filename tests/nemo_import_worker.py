@@ -22,7 +22,7 @@ def main(cache: str) -> None:
 
     os.environ["NEMO_FP4QAT_CACHE"] = cache
     from nemo_fp4qat import QATController
-    from nemo_fp4qat.demo_model import load_corpus, load_smollm2
+    from nemo_fp4qat.demo.model import load_corpus, load_smollm2
     from nemo_fp4qat.nemo import megatron_cpu_mode, megatron_module
     from nemo_fp4qat.nemo.hf_import import load_nemo_llama, megatron_logits, smollm2_nemo_checkpoint
 

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 def _model(rank: int, mismatch: bool) -> nn.Module:
     from nemo_fp4qat import QATController
-    from nemo_fp4qat.calibration import run_calibration
+    from nemo_fp4qat.qat.calibration import run_calibration
 
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 4))
@@ -32,7 +32,7 @@ def _model(rank: int, mismatch: bool) -> nn.Module:
 
 
 def _worker(rank: int, init: str, mode: str, out: dict) -> None:
-    from nemo_fp4qat.calibration import sync_amax_across_ranks
+    from nemo_fp4qat.qat.calibration import sync_amax_across_ranks
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from nemo_fp4qat import FP4QATCallback, LayerPolicy, PrecisionSchedule, QATController, QuantizationMonitor
-from nemo_fp4qat.calibration import CalibrationConfig
-from nemo_fp4qat.distillation import DistillationConfig
 from nemo_fp4qat.export import ExportConfig
-from nemo_fp4qat.policy import PolicyRule
+from nemo_fp4qat.qat.calibration import CalibrationConfig
+from nemo_fp4qat.qat.distillation import DistillationConfig
+from nemo_fp4qat.qat.policy import PolicyRule
 
 from tiny_models import tiny_llama
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_fp4qat.cloze_tasks import next_sentence_tasks, split_sentences
-from nemo_fp4qat.demo_model import load_corpus
-from nemo_fp4qat.evaluation import _logits, choice_log_likelihoods
+from nemo_fp4qat.demo.model import load_corpus
+from nemo_fp4qat.eval.evaluation import _logits, choice_log_likelihoods
+from nemo_fp4qat.eval.tasks import next_sentence_tasks, split_sentences
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,10 @@ import torch
 import torch.nn as nn
 
 import nemo_fp4qat
-from nemo_fp4qat import cpu_backend, get_format
-from nemo_fp4qat.cpu_fake_quant import fake_quant_mx, fake_quant_nvfp4
-from nemo_fp4qat.modelopt_compat import modelopt_version
+from nemo_fp4qat import get_format
+from nemo_fp4qat.numerics import cpu_backend
+from nemo_fp4qat.numerics.fake_quant import fake_quant_mx, fake_quant_nvfp4
+from nemo_fp4qat.qat.modelopt_compat import modelopt_version
 
 mtq = pytest.importorskip("modelopt.torch.quantization")
 
@@ -146,7 +147,7 @@ def test_fp8_weights_fake_quantize_exactly_as_modelopt_exports_them(amax, eager_
 
 
 def _fp8_weight_only_cfg():
-    from nemo_fp4qat.modelopt_compat import uses_list_config
+    from nemo_fp4qat.qat.modelopt_compat import uses_list_config
 
     fp8 = {"num_bits": (4, 3), "axis": None}
     if uses_list_config():

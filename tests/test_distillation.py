@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nemo_fp4qat import DistillationConfig, FP4QATCallback
-from nemo_fp4qat.distillation import kd_loss
+from nemo_fp4qat.qat.distillation import kd_loss
 
 from tiny_models import LitLM, MegatronStyleGPT, PatternTokens, loader
 

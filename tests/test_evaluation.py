@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from nemo_fp4qat.evaluation import multiple_choice_accuracy, perplexity, quantized_weight_memory
-from nemo_fp4qat.quality_gate import QualityGate, recovery, write_report
+from nemo_fp4qat.eval.evaluation import multiple_choice_accuracy, perplexity, quantized_weight_memory
+from nemo_fp4qat.eval.gate import QualityGate, recovery, write_report
 
 
 class Bigram(nn.Module):

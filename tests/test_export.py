@@ -25,9 +25,9 @@ from nemo_fp4qat.export import (
     export_checkpoint,
     validate_export,
 )
-from nemo_fp4qat.modelopt_compat import uses_list_config
-from nemo_fp4qat.policy import POLICY_PRESETS
-from nemo_fp4qat.w4a8_scaling import is_w4a8
+from nemo_fp4qat.qat.modelopt_compat import uses_list_config
+from nemo_fp4qat.qat.policy import POLICY_PRESETS
+from nemo_fp4qat.qat.w4a8_scaling import is_w4a8
 
 from reference_numerics import nvfp4_ref
 from tiny_models import VOCAB, tiny_llama
@@ -71,7 +71,15 @@ def test_export_each_format_validates_against_the_trained_model(tmp_path, fmt, k
     out = export_checkpoint(model, tmp_path / "ckpt", ExportConfig(kind=kind))
     report = json.loads((out / "validation.json").read_text())
     assert report["ok"] and report["quant_algo"] == EXPECTED_ALGO[fmt]
-    assert report["numeric"]["layers_compared"] > 0
+    # coverage: every quantized layer was compared, or is named with the reason it could not be
+    quantized = [m for m, a in report["layers"].items() if a is not None]
+    skipped = report["numeric"].get("layers_skipped", {})
+    assert report["numeric"]["layers_compared"] + len(skipped) == len(quantized) > 0
+    assert all(reason for reason in skipped.values())
+    if EXPECTED_ALGO[fmt] not in ("W8A8_SQ_PER_CHANNEL", "W4A16_AWQ"):  # only smoothing exporters requantize
+        assert skipped == {}, skipped
+    else:
+        assert report["numeric"]["layers_compared"] >= len(quantized) // 4, skipped
     if fmt in ("nvfp4", "trtllm_mixed"):
         assert report["numeric"]["fp4_codes_compared"] > 0 and report["numeric"]["fp4_codes_different"] == 0
     # re-validated from disk, independently of the export call
@@ -301,6 +309,36 @@ def test_truncated_file_is_reported_from_the_manifest(tmp_path, nvfp4_export):
     shutil.copytree(src, bad)
     (bad / "engine_plan.json").write_text("{}")
     assert "truncated" in _errors(validate_export(bad))["engine_plan.json"]
+
+
+def test_same_size_change_is_caught_by_the_manifest_hash(tmp_path, nvfp4_export):
+    _, src = nvfp4_export
+    bad = tmp_path / "c"
+    shutil.copytree(src, bad)
+    plan = (bad / "engine_plan.json").read_text()
+    i = plan.index("max_batch_size") + len("max_batch_size") + 3  # a digit of its value
+    flipped = "1" if plan[i] != "1" else "2"
+    (bad / "engine_plan.json").write_text(plan[:i] + flipped + plan[i + 1 :])  # same size, other contents
+    assert "sha256" in _errors(validate_export(bad))["engine_plan.json"]
+    assert validate_export(src).ok
+
+
+@pytest.fixture(scope="module")
+def fp8_export(tmp_path_factory):
+    model = _qat_model("fp8", seed=4)
+    return model, export_checkpoint(model, tmp_path_factory.mktemp("x") / "ckpt", ExportConfig(kind="hf"))
+
+
+@pytest.mark.parametrize("factor", [1.3, 1.0001])
+def test_fp8_weight_scale_off_by_a_factor_is_caught_by_the_numeric_check(tmp_path, fp8_export, factor):
+    """Within the rounding of the scale product (2e-6) or it fails: a scale 30% or 0.01% off is an error."""
+    model, src = fp8_export
+    name = "model.layers.0.self_attn.o_proj.weight_scale"
+    bad = _corrupt(src, tmp_path / "c", lambda t: t.__setitem__(name, t[name] * factor))
+    assert "model.layers.0.self_attn.o_proj.weight" not in _errors(validate_export(bad))
+    errs = _errors(validate_export(bad, model=model))
+    assert "differ from the trained fake-quant weights" in errs["model.layers.0.self_attn.o_proj.weight"]
+    assert validate_export(src, model=model).ok
 
 
 def test_validate_cli_exit_codes(tmp_path, nvfp4_export, capsys):

@@ -18,14 +18,14 @@ import pytest
 import torch
 
 from nemo_fp4qat import LayerPolicy, QATController
-from nemo_fp4qat.demo import DemoConfig
-from nemo_fp4qat.demo_model import load_corpus, load_smollm2
-from nemo_fp4qat.evaluation import perplexity
+from nemo_fp4qat.demo.model import load_corpus, load_smollm2
+from nemo_fp4qat.demo.pipeline import DemoConfig
+from nemo_fp4qat.eval.evaluation import perplexity
 from nemo_fp4qat.export import ExportConfig, ExportRefused, export_checkpoint
 from nemo_fp4qat.export.deployed_model import load_deployed_model
 from nemo_fp4qat.export.runtime_support import quantized_layers
-from nemo_fp4qat.modelopt_compat import uses_list_config
-from nemo_fp4qat.policy import POLICY_PRESETS, TRTLLM_PRESETS
+from nemo_fp4qat.qat.modelopt_compat import uses_list_config
+from nemo_fp4qat.qat.policy import POLICY_PRESETS, TRTLLM_PRESETS
 
 # One entry per distinct preset (aliases such as trtllm_mixed == default are the same spec object).
 PRESETS = list({id(POLICY_PRESETS[n]): n for n in reversed(TRTLLM_PRESETS)}.values())[::-1]

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from nemo_fp4qat.formats import get_format
-from nemo_fp4qat.modelopt_compat import apply_quant_cfg, build_quant_cfg, modelopt_version, uses_list_config
+from nemo_fp4qat.numerics.formats import get_format
+from nemo_fp4qat.qat.modelopt_compat import apply_quant_cfg, build_quant_cfg, modelopt_version, uses_list_config
 
 mtq = pytest.importorskip("modelopt.torch.quantization")
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from nemo_fp4qat import FP4QATCallback, QuantizationMonitor, analyze_model
-from nemo_fp4qat.quality_metrics import weight_statistics
+from nemo_fp4qat.numerics.metrics import weight_statistics
 
 from reference_numerics import mx_ref, nvfp4_ref
 from tiny_models import LitLM, MegatronStyleGPT, loader

@@ -12,22 +12,29 @@ from pathlib import Path
 import pytest
 
 from megatron_utils import free_port
+from test_documented_commands import documented
 
 pytestmark = pytest.mark.nemo
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_documented_nemo_run_command_runs_as_typed(tmp_path):
-    """The command README.md, the YAML's own comment and the Dockerfile show, typed into a shell (dry run).
-    NeMo-Run 0.11 binds ``-y`` to ``--yes``, so the documents spell ``--yaml`` out."""
-    documented = "nemo llm finetune --factory llama3_8b --yaml conf/nemo_run/fp4qat.yaml"
-    for doc in ("README.md", "conf/nemo_run/fp4qat.yaml", "examples/Dockerfile"):
-        text = (ROOT / doc).read_text().replace("/opt/nemo-fp4qat/", "")
-        assert documented in text, f"{doc} no longer shows the command this test runs"
+NEMO_COMMANDS = sorted({c.replace("/opt/nemo-fp4qat/", "") for _, c in documented("nemo llm") if "..." not in c})
+
+
+def test_the_documented_nemo_run_commands_are_collected():
+    assert {"nemo llm finetune --factory llama3_8b --yaml conf/nemo_run/fp4qat.yaml",
+            "nemo llm finetune --yaml conf/nemo_run/llama3_8b_fp4qat.yaml"} <= set(NEMO_COMMANDS)  # fmt: skip
+
+
+@pytest.mark.parametrize("documented_cmd", NEMO_COMMANDS)
+def test_documented_nemo_run_command_runs_as_typed(tmp_path, documented_cmd):
+    """Each `nemo llm ...` command README.md, the YAMLs' own comments, the examples and the Dockerfile
+    show, typed into a shell (dry run). NeMo-Run 0.11 binds ``-y`` to ``--yes``, so the documents spell
+    ``--yaml`` out."""
     nemo = Path(sys.executable).parent / "nemo"
     env = {**os.environ, "NEMORUN_HOME": str(tmp_path / "nemo_run")}
-    res = subprocess.run([str(nemo), *documented.split()[1:], "--dryrun", "--yes"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=600, env=env)  # fmt: skip
+    res = subprocess.run([str(nemo), *documented_cmd.split()[1:], "--dryrun", "--yes"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]
     assert "NeMoFP4QATCallback" in out and "policy='trtllm_mixed'" in out, out[-4000:]

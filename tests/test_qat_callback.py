@@ -10,8 +10,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from nemo_fp4qat import FP4QATCallback, FP4QATMixin
-from nemo_fp4qat.formats import get_format
-from nemo_fp4qat.modelopt_compat import quantizer_format_signature
+from nemo_fp4qat.numerics.formats import get_format
+from nemo_fp4qat.qat.modelopt_compat import quantizer_format_signature
 
 from tiny_models import LitLM, MegatronStyleGPT, loader, tiny_llama
 
@@ -112,7 +112,7 @@ def test_ramp_blends_old_and_new_format():
                 a = cb.controller.ramp_alpha(q)
                 new = mod(x)  # hook applied: alpha * nvfp4 + (1 - alpha) * fp8
                 old_q = cb.controller._old_quantizers[q]
-                from nemo_fp4qat.cpu_fake_quant import fake_quant_nvfp4
+                from nemo_fp4qat.numerics.fake_quant import fake_quant_nvfp4
 
                 expect = a * fake_quant_nvfp4(x, mod.amax) + (1 - a) * old_q(x)
                 assert torch.allclose(new, expect, atol=1e-6)
@@ -190,7 +190,7 @@ def test_fused_siblings_share_amax_by_default():
 
 
 def test_callback_from_yaml_trainer_entry(monkeypatch):
-    from nemo_fp4qat.config_io import instantiate_yaml
+    from nemo_fp4qat.qat.config_io import instantiate_yaml
 
     monkeypatch.setenv("NEMO_FP4QAT_CONF", str(CONF))
     cb = instantiate_yaml(CONF / "callback" / "fp4qat.yaml")
@@ -209,3 +209,22 @@ def test_warns_when_training_ends_before_the_target_formats():
     cb = FP4QATCallback(policy="fp_embeddings", schedule=SCHED, calibration=16)
     with pytest.warns(UserWarning, match="ended before the schedule reached the target formats"):
         _trainer([cb], 5).fit(lit, loader())
+
+
+def test_wrapped_methods_are_restored_at_teardown_and_wrapped_once_per_fit(tmp_path):
+    """The callback wraps training_step (QAD) and on_load_checkpoint; after fit the module's own
+    methods are back, and a second fit wraps the originals (not the wrappers) once."""
+    lit = LitLM(tiny_llama())
+    cb = FP4QATCallback(policy="fp_embeddings", calibration=16, distillation=True)
+    for run in range(2):
+        trainer = _trainer([cb], 2, tmp_path)
+        calls = []
+        original_mix = cb.distiller.mix if cb.distiller else None
+        if original_mix is not None:
+            cb.distiller.mix = lambda lm, _m=original_mix, _c=calls: _c.append(1) or _m(lm)
+        trainer.fit(lit, loader(n=32))
+        assert "training_step" not in vars(lit) and "on_load_checkpoint" not in vars(lit), f"fit {run}"
+        assert lit.training_step.__func__ is LitLM.training_step
+        if original_mix is not None:
+            assert len(calls) == 2, "the QAD loss mixes once per step, not once per wrapper"
+    assert not cb.patches.is_patched(lit, "training_step")

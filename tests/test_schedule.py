@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from nemo_fp4qat import PrecisionSchedule
-from nemo_fp4qat.formats import get_format
-from nemo_fp4qat.schedule import effective_format
+from nemo_fp4qat.numerics.formats import get_format
+from nemo_fp4qat.qat.schedule import effective_format
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 
@@ -95,7 +95,7 @@ def test_yaml_schedules(tmp_path):
                          ids=lambda p: p.stem)  # fmt: skip
 def test_each_conf_schedule_file_is_its_preset(path):
     """A user who switches from ``schedule="<name>"`` to ``conf/schedule/<name>.yaml`` gets the same run."""
-    from nemo_fp4qat.schedule import SCHEDULE_PRESETS
+    from nemo_fp4qat.qat.schedule import SCHEDULE_PRESETS
 
     assert path.stem in SCHEDULE_PRESETS, f"{path} has no preset of the same name"
     assert PrecisionSchedule.resolve_spec(str(path)).to_dict() == PrecisionSchedule.resolve_spec(path.stem).to_dict()

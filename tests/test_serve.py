@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import socket
 import threading
 import time
@@ -16,7 +17,7 @@ import httpx
 import uvicorn
 
 from nemo_fp4qat.export import ExportConfig, export_checkpoint
-from nemo_fp4qat.modelopt_compat import uses_list_config
+from nemo_fp4qat.qat.modelopt_compat import uses_list_config
 from nemo_fp4qat.serve import PyTorchBackend, ServeSettings, create_app
 
 from tiny_models import VOCAB
@@ -47,10 +48,9 @@ def export_dir(tmp_path_factory):
                              tokenizer=_char_tokenizer())  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def server(export_dir):
-    backend = PyTorchBackend(export_dir)
-    settings = ServeSettings(max_prompt_tokens=64, max_tokens=32, max_batch_size=4, timeout_s=20, api_key=KEY)
+@contextlib.contextmanager
+def _running(backend, settings):
+    """A real uvicorn server for ``create_app(backend, settings)`` on a free port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -61,9 +61,19 @@ def server(export_dir):
     th.start()
     while not srv.started:
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", backend
-    srv.should_exit = True
-    th.join(10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        th.join(10)
+
+
+@pytest.fixture(scope="module")
+def server(export_dir):
+    backend = PyTorchBackend(export_dir)
+    settings = ServeSettings(max_prompt_tokens=64, max_tokens=32, max_batch_size=4, timeout_s=20, api_key=KEY)
+    with _running(backend, settings) as url:
+        yield url, backend
 
 
 H = {"Authorization": f"Bearer {KEY}"}
@@ -102,6 +112,7 @@ def test_greedy_completion_equals_the_exported_model(server):
         ({"prompt": "hi", "bogus": 1}, 422, "bogus"),
         ({"prompt": ["a"] * 9}, 422, "prompt"),
         ({"prompt": "hi", "temperature": "hot"}, 422, "temperature"),
+        ({"prompt": "hi", "model": "some-other-model"}, 404, "model"),
     ],
 )
 def test_bad_requests_get_4xx_naming_the_field(server, body, status, field):
@@ -156,3 +167,31 @@ def test_w4a8_export_is_served_with_the_trained_numerics(tmp_path):
     with torch.no_grad():
         want, got = model(x).logits, backend.model(x).logits
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (got - want).abs().max()
+
+
+def test_a_request_past_the_timeout_gets_504_and_its_generation_stops(export_dir):
+    """504 names the timeout; the generation is told to stop (its cancel event is set) and the server
+    goes on serving."""
+    backend = PyTorchBackend(export_dir)
+    stopped = []
+    original = backend.generate_rows
+
+    def slow_generate_rows(prompts, params, cancelled=None, on_step=None):
+        for _ in range(200):  # slower than the timeout, unless told to stop
+            if cancelled and all(c is not None and c.is_set() for c in cancelled):
+                stopped.append(True)
+                break
+            time.sleep(0.01)
+        return original(prompts, params, cancelled, on_step)
+
+    backend.generate_rows = slow_generate_rows
+    settings = ServeSettings(max_prompt_tokens=64, max_tokens=32, max_batch_size=4, timeout_s=0.3)
+    with _running(backend, settings) as url:
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 504, r.text
+        assert r.json()["error"]["type"] == "timeout" and "0.3 s" in r.json()["error"]["message"]
+        deadline = time.time() + 10
+        while not stopped and time.time() < deadline:
+            time.sleep(0.05)
+        assert stopped, "the timed-out generation was not told to stop"
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200

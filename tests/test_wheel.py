@@ -19,7 +19,7 @@ def test_wheel_installs_and_runs_outside_the_source_tree(tmp_path):
                     str(wheels), str(ROOT)], check=True, capture_output=True, text=True)  # fmt: skip
     (wheel,) = wheels.glob("nemo_fp4qat-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "nemo_fp4qat/demo_data/emma.txt" in names and "nemo_fp4qat/demo_data/persuasion.txt" in names
+    assert "nemo_fp4qat/demo/data/emma.txt" in names and "nemo_fp4qat/demo/data/persuasion.txt" in names
     assert "nemo_fp4qat/export/deployed_model.py" in names
 
     venv = tmp_path / "venv"
@@ -32,7 +32,7 @@ def test_wheel_installs_and_runs_outside_the_source_tree(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
                    check=True, capture_output=True, text=True)  # fmt: skip
     code = (
-        "import nemo_fp4qat, pathlib; from nemo_fp4qat.demo_model import load_corpus; "
+        "import nemo_fp4qat, pathlib; from nemo_fp4qat.demo.model import load_corpus; "
         "from nemo_fp4qat.cli import main; "
         "assert 'site-packages' in nemo_fp4qat.__file__, nemo_fp4qat.__file__; "
         "assert len(load_corpus('emma')) > 100000; "

@@ -19,12 +19,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MANIFEST_NAME", "atomic_directory", "read_manifest", "write_manifest"]
+__all__ = ["MANIFEST_NAME", "atomic_directory", "file_sha256", "read_manifest", "write_manifest"]
 
 MANIFEST_NAME = "nemo_fp4qat_manifest.json"
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -36,7 +37,7 @@ def write_manifest(directory: Path, info: dict[str, Any]) -> Path:
     """Record every file with its size and sha256; written last, so it marks completeness."""
     directory = Path(directory)
     files = {
-        str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
         for p in sorted(directory.rglob("*"))
         if p.is_file() and p.name != MANIFEST_NAME
     }

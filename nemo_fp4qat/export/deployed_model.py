@@ -22,9 +22,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..cpu_fake_quant import fake_quant_fp8, fake_quant_nvfp4
+from ..numerics.fake_quant import fake_quant_fp8, fake_quant_nvfp4
+from .reader import head_counts, load_export, merge_ranks
 from .unpack import dequantize_linear
-from .validate import _heads, _merge_ranks, load_export
 
 __all__ = ["DeployedModel", "is_export_dir", "load_deployed_model"]
 
@@ -92,11 +92,11 @@ def _hf_config_from_trtllm(cfg: dict[str, Any]) -> Any:
 
 def _trtllm_modules(path: Path, qcfg: dict[str, Any], ranks: list[dict[str, torch.Tensor]]):
     """{HF module: (tensors, quant_algo)} of a TensorRT-LLM checkpoint (ranks merged, qkv split)."""
-    from .validate import ValidationReport
+    from .validation_report import ValidationReport
 
     config = qcfg["_config"]
     rep = ValidationReport(str(path), "trtllm", qcfg.get("quant_algo"), None, "pytorch")
-    tensors = _merge_ranks(ranks, config, rep)
+    tensors = merge_ranks(ranks, config, rep)
     if rep.errors:
         raise ValueError(f"{path}: tensor-parallel ranks disagree: {rep.errors[0]}")
     mixed = qcfg.get("quantized_layers") or {}
@@ -118,7 +118,7 @@ def _trtllm_modules(path: Path, qcfg: dict[str, Any], ranks: list[dict[str, torc
             # dequantize the fused GEMM once, then hand each projection its rows (one shared input scale)
             w = dequantize_linear(t, algo) if algo else t["weight"].to(torch.float64)
             parent = hf[: -len(".qkv")]
-            heads, kv, hd = _heads(config)  # TensorRT-LLM's qkv rows are [Q; K; V]
+            heads, kv, hd = head_counts(config)  # TensorRT-LLM's qkv rows are [Q; K; V]
             for leaf, rows in zip(("q_proj", "k_proj", "v_proj"), w.split([heads * hd, kv * hd, kv * hd], 0)):
                 out[f"{parent}.{leaf}"] = ({**{k: v for k, v in t.items() if k != "weight"}, "weight": rows}, algo)
         else:

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..cpu_shims import modelopt_export_on_cpu
-from ..w4a8_scaling import w4a8_export_amax
+from ..numerics.cpu_shims import modelopt_export_on_cpu
+from ..qat.w4a8_scaling import w4a8_export_amax
 from .atomic import atomic_directory, write_manifest
 from .engine_plan import EnginePlan, write_engine_plan
 from .runtime_support import RUNTIMES, ExportRefused, preflight

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from ..formats import QuantFormat, format_of_quantizer
-from ..modelopt_compat import uses_list_config
-from ..policy import is_quantizer
-from ..w4a8_scaling import calibrated_w4a8_layers, w4a8_export_amax
+from ..numerics.formats import QuantFormat, format_of_quantizer
+from ..qat.modelopt_compat import uses_list_config
+from ..qat.policy import is_quantizer
+from ..qat.w4a8_scaling import calibrated_w4a8_layers, w4a8_export_amax
 
 __all__ = [
     "RUNTIMES",

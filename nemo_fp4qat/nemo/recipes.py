@@ -4,25 +4,28 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..qat.config import QATConfig
+
 __all__ = ["with_fp4_qat"]
 
 
 def with_fp4_qat(
     recipe: Any,
-    policy: str | dict = "default",
-    schedule: str | dict = "progressive",
-    calibration: int | dict | None = None,
-    distillation: bool | dict | None = None,
+    policy: str | dict = QATConfig.policy,
+    schedule: str | dict = QATConfig.schedule,
+    calibration: int | dict = QATConfig.calibration,
+    distillation: bool | dict | None = QATConfig.distillation,
     monitor: bool | dict = False,
 ) -> Any:
     """Append ``NeMoFP4QATCallback`` (and optionally ``QuantizationMonitor``) to ``recipe.trainer``'s
     callbacks as ``run.Config`` objects, so the recipe stays serializable for NeMo-Run. Returns the
-    recipe (changed in place)."""
+    recipe (changed in place). The arguments are checked now (:class:`QATConfig`), not when the job starts."""
     import nemo_run as run
 
-    from ..monitor import QuantizationMonitor
+    from ..lightning.monitor import QuantizationMonitor
     from .callback import NeMoFP4QATCallback
 
+    QATConfig(policy=policy, schedule=schedule, calibration=calibration, distillation=distillation)
     trainer = recipe.trainer
     callbacks = list(trainer.callbacks or [])
     callbacks.append(

@@ -17,7 +17,8 @@ extends the recipe's callback list with the list a factory returns::
 import lightning.pytorch as pl
 import nemo_run as run
 
-from ..monitor import QuantizationMonitor
+from ..lightning.monitor import QuantizationMonitor
+from ..qat.config import QATConfig
 from .callback import NeMoFP4QATCallback
 
 __all__ = ["fp4qat"]
@@ -26,9 +27,9 @@ __all__ = ["fp4qat"]
 @run.cli.factory
 @run.autoconvert
 def fp4qat(
-    policy: str = "default",
-    schedule: str = "progressive",
-    calibration: int = 256,
+    policy: str = QATConfig.policy,
+    schedule: str = QATConfig.schedule,
+    calibration: int = QATConfig.calibration,
     monitor_every_n_steps: int = 0,
     export_dir: str | None = None,
 ) -> list[pl.Callback]:

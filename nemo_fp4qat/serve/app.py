@@ -1,31 +1,41 @@
-"""The HTTP API (FastAPI): OpenAI-style completions over a serving backend.
+"""The HTTP API (FastAPI): the OpenAI completions and chat completions APIs over a serving backend.
 
 Endpoints: ``GET /health`` (liveness, no auth), ``GET /ready``, ``GET /v1/models``,
-``POST /v1/completions``, ``GET /metrics`` (Prometheus text). Requests are validated by pydantic
-and by configured limits; every error is a JSON ``{"error": {"message", "type", "param"}}`` with a
-4xx status (504 when a request exceeds the timeout, which also stops its generation between
-tokens). Concurrent requests with the same sampling parameters are batched up to
-``max_batch_size`` prompts.
+``POST /v1/completions``, ``POST /v1/chat/completions`` (the export's chat template), ``GET /metrics``
+(Prometheus text). Both generation endpoints take ``stream`` (server-sent events in the OpenAI chunk
+format, ``data: [DONE]`` last, usage in a final chunk with ``stream_options.include_usage``), ``n``,
+``logprobs`` / ``top_logprobs``, ``stop``, ``seed``, ``user``; unknown fields are refused. Requests
+are validated by pydantic and by configured limits; every error is a JSON
+``{"error": {"message", "type", "param"}}`` with a 4xx status (504 when a request exceeds the timeout,
+which also stops its generation between tokens). Queued requests are batched into one decode loop up
+to ``max_batch_size`` rows, each row with its own sampling parameters; a streaming client that
+disconnects cancels its rows.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import secrets
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-__all__ = ["CompletionRequest", "ServeSettings", "create_app"]
+from .generation import GenerationRow, SamplingParams
+
+__all__ = ["ChatCompletionRequest", "CompletionRequest", "ServeSettings", "create_app"]
+
+SYSTEM_FINGERPRINT = "nemo-fp4qat"
 
 
 @dataclass
@@ -38,17 +48,61 @@ class ServeSettings:
     api_key: str | None = None
 
 
-class CompletionRequest(BaseModel):
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields both generation endpoints share (OpenAI names and ranges)."""
+
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    prompt: str | list[str] = Field(min_length=1)
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    temperature: float = Field(0.0, ge=0.0, le=2.0)  # greedy unless asked: reproducible answers by default
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=16)
     stop: str | list[str] | None = None
     seed: int | None = None
-    n: Literal[1] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and ignored, as the OpenAI API allows
+
+    def stops(self) -> tuple[str, ...]:
+        return tuple([self.stop] if isinstance(self.stop, str) else (self.stop or []))
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] = Field(min_length=1)
+    max_tokens: int = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=5)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(422, "messages: only text content parts are supported", "messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=5)
 
 
 class APIError(Exception):
@@ -72,6 +126,7 @@ class Metrics:
     completion_tokens: int = 0
     generate_seconds: float = 0.0
     batches: int = 0
+    cancelled: int = 0  # rows stopped early (client gone or timeout)
 
     def text(self) -> str:
         tps = self.completion_tokens / self.generate_seconds if self.generate_seconds else 0.0
@@ -84,6 +139,7 @@ class Metrics:
             f"fp4qat_request_latency_seconds_count {self.latency_count}",
             "# TYPE fp4qat_completion_tokens_total counter", f"fp4qat_completion_tokens_total {self.completion_tokens}",
             "# TYPE fp4qat_batches_total counter", f"fp4qat_batches_total {self.batches}",
+            "# TYPE fp4qat_cancelled_rows_total counter", f"fp4qat_cancelled_rows_total {self.cancelled}",
             "# TYPE fp4qat_tokens_per_second gauge", f"fp4qat_tokens_per_second {tps:.3f}",
         ]  # fmt: skip
         return "\n".join(lines) + "\n"
@@ -91,14 +147,25 @@ class Metrics:
 
 @dataclass
 class _Job:
+    """One request: its rows (prompt x n), where their progress goes, and how to cancel them."""
+
     prompts: list[str]
-    key: tuple
+    params: SamplingParams
     future: asyncio.Future
-    cancelled: bool = False
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue | None = None  # streaming: a snapshot of the rows after each decode step
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+    def push(self, rows: list[GenerationRow]) -> None:
+        """From the generation thread: hand a copy of this job's rows to its stream."""
+        if self.events is not None:
+            snap = [(r.text, r.finish_reason, list(r.logprobs)) for r in rows]
+            self.loop.call_soon_threadsafe(self.events.put_nowait, snap)
 
 
 class Batcher:
-    """Groups queued requests with identical sampling parameters into one ``generate`` call."""
+    """Runs queued jobs as one decode loop of up to ``max_batch_size`` rows (each row with its own
+    sampling parameters), one batch at a time."""
 
     def __init__(self, backend: Any, settings: ServeSettings, metrics: Metrics) -> None:
         self.backend, self.settings, self.metrics = backend, settings, metrics
@@ -115,26 +182,32 @@ class Batcher:
             n = len(first.prompts)
             while not self.queue.empty():
                 j = self.queue.get_nowait()
-                if j.key == first.key and n + len(j.prompts) <= self.settings.max_batch_size:
+                if n + len(j.prompts) <= self.settings.max_batch_size:
                     jobs.append(j)
                     n += len(j.prompts)
                 else:
                     held.append(j)
             for j in held:
                 self.queue.put_nowait(j)
-            jobs = [j for j in jobs if not j.cancelled]
+            jobs = [j for j in jobs if not j.cancel.is_set()]
             if not jobs:
                 continue
-            cancel = threading.Event()
-            for j in jobs:
-                j.future.cancel_event = cancel  # type: ignore[attr-defined]
             prompts = [p for j in jobs for p in j.prompts]
-            max_tokens, temperature, top_p, stop, seed = first.key
+            params = [j.params for j in jobs for _ in j.prompts]
+            cancelled = [j.cancel for j in jobs for _ in j.prompts]
+            spans, i = [], 0
+            for j in jobs:
+                spans.append((j, i, i + len(j.prompts)))
+                i += len(j.prompts)
+
+            def on_step(rows: list[GenerationRow], _spans=spans) -> None:
+                for j, a, b in _spans:
+                    j.push(rows[a:b])
+
             t0 = time.perf_counter()
             self.inflight += 1
             try:
-                call = functools.partial(self.backend.generate, prompts, max_tokens, temperature, top_p,
-                                         list(stop) if stop else None, seed, cancel)  # fmt: skip
+                call = functools.partial(self.backend.generate_rows, prompts, params, cancelled, on_step)
                 out = await loop.run_in_executor(None, call)
             except Exception as e:  # a backend failure answers every request of the batch
                 for j in jobs:
@@ -145,11 +218,37 @@ class Batcher:
                 self.inflight -= 1
             self.metrics.generate_seconds += time.perf_counter() - t0
             self.metrics.batches += 1
-            i = 0
-            for j in jobs:
+            self.metrics.cancelled += sum(r.finish_reason == "cancelled" for r in out)
+            for j, a, b in spans:
                 if not j.future.done():
-                    j.future.set_result(out[i : i + len(j.prompts)])
-                i += len(j.prompts)
+                    j.future.set_result(out[a:b])
+
+
+def _completion_logprobs(row: GenerationRow) -> dict[str, Any]:
+    offsets, pos = [], 0
+    for lp in row.logprobs:
+        offsets.append(pos)
+        pos += len(lp.token)
+    return {
+        "tokens": [lp.token for lp in row.logprobs],
+        "token_logprobs": [lp.logprob for lp in row.logprobs],
+        "top_logprobs": [dict(lp.top) for lp in row.logprobs],
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(logprobs: list[Any]) -> dict[str, Any]:
+    def entry(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in logprobs]}  # fmt: skip
+
+
+def _usage(rows: list[GenerationRow], n: int) -> dict[str, int]:
+    prompt = sum(r.prompt_tokens for r in rows[::n])  # each prompt counted once, not once per choice
+    completion = sum(len(r.token_ids) for r in rows)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def create_app(backend: Any, settings: ServeSettings | None = None) -> FastAPI:
@@ -211,18 +310,12 @@ def create_app(backend: Any, settings: ServeSettings | None = None) -> FastAPI:
     async def metrics_text() -> str:
         return metrics.text()
 
-    @app.post("/v1/completions", dependencies=[Depends(auth)])
-    async def completions(req: CompletionRequest) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        metrics.requests += 1
-        prompts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
-        if not prompts or any(not isinstance(p, str) or not p for p in prompts):
-            raise APIError(422, "prompt: give a non-empty string or list of non-empty strings", "prompt")
-        if len(prompts) > settings.max_batch_size:
-            raise APIError(422, f"prompt: {len(prompts)} prompts exceed max_batch_size {settings.max_batch_size}",
-                           "prompt")  # fmt: skip
-        if req.max_tokens > settings.max_tokens:
-            raise APIError(422, f"max_tokens: {req.max_tokens} exceeds the limit {settings.max_tokens}", "max_tokens")
+    def check(req: _Sampling, prompts: list[str], max_tokens: int) -> None:
+        if len(prompts) * req.n > settings.max_batch_size:
+            raise APIError(422, f"prompt: {len(prompts)} prompt(s) x n={req.n} exceed max_batch_size "
+                           f"{settings.max_batch_size}", "n" if req.n > 1 else "prompt")  # fmt: skip
+        if max_tokens > settings.max_tokens:
+            raise APIError(422, f"max_tokens: {max_tokens} exceeds the limit {settings.max_tokens}", "max_tokens")
         if req.model is not None and req.model != backend.model_id:
             raise APIError(404, f"model: {req.model!r} is not served (serving {backend.model_id!r})", "model")
         for p in prompts:
@@ -230,36 +323,132 @@ def create_app(backend: Any, settings: ServeSettings | None = None) -> FastAPI:
             if n > settings.max_prompt_tokens:
                 raise APIError(413, f"prompt: {n} tokens exceed max_prompt_tokens {settings.max_prompt_tokens}",
                                "prompt")  # fmt: skip
-        stop = tuple([req.stop] if isinstance(req.stop, str) else (req.stop or []))
-        key = (req.max_tokens, req.temperature, req.top_p, stop, req.seed)
-        job = _Job(prompts, key, asyncio.get_running_loop().create_future())
+
+    async def submit(prompts: list[str], req: _Sampling, params: SamplingParams) -> _Job:
+        loop = asyncio.get_running_loop()
+        job = _Job([p for p in prompts for _ in range(req.n)], params, loop.create_future(), loop,
+                   asyncio.Queue() if req.stream else None)  # fmt: skip
         await batcher.queue.put(job)
+        return job
+
+    async def finish(job: _Job) -> list[GenerationRow]:
         try:
-            results = await asyncio.wait_for(asyncio.shield(job.future), timeout=settings.timeout_s)
+            return await asyncio.wait_for(asyncio.shield(job.future), timeout=settings.timeout_s)
         except asyncio.TimeoutError:
-            job.cancelled = True
-            ev = getattr(job.future, "cancel_event", None)
-            if ev is not None:
-                ev.set()  # generation stops at the next token
+            job.cancel.set()  # generation stops at the next token
             raise APIError(504, f"request exceeded the timeout of {settings.timeout_s:g} s", kind="timeout") from None
-        dt = time.perf_counter() - t0
-        metrics.latency_sum += dt
+
+    def envelope(kind: str, rid: str) -> dict[str, Any]:
+        return {"id": rid, "object": kind, "created": int(time.time()), "model": backend.model_id,
+                "system_fingerprint": SYSTEM_FINGERPRINT}  # fmt: skip
+
+    async def stream(job: _Job, req: _Sampling, rid: str, chat: bool, t0: float) -> AsyncIterator[str]:
+        """Server-sent events: one chunk per choice whose text grew (or finished) at each step."""
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        sent = [0] * len(job.prompts)
+        sent_lp = [0] * len(job.prompts)
+        done = [False] * len(job.prompts)
+        deadline = t0 + settings.timeout_s
+
+        def chunk(i: int, text: str, reason: str | None, lps: list[Any]) -> str:
+            if chat:
+                delta: dict[str, Any] = {"content": text} if text or reason is None else {}
+                if sent[i] == 0 and not done[i] and (text or reason is not None):
+                    delta = {"role": "assistant", **delta}
+                choice = {"index": i, "delta": delta, "finish_reason": reason,
+                          "logprobs": _chat_logprobs(lps) if req.logprobs and lps else None}  # fmt: skip
+            else:
+                lp = None
+                if req.logprobs is not None and lps:
+                    lp = _completion_logprobs(GenerationRow(0, logprobs=lps))
+                choice = {"index": i, "text": text, "finish_reason": reason, "logprobs": lp}
+            return f"data: {json.dumps({**envelope(kind, rid), 'choices': [choice]})}\n\n"
+
+        try:
+            while not all(done):
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    job.cancel.set()
+                    err = {"message": f"request exceeded the timeout of {settings.timeout_s:g} s", "type": "timeout"}
+                    yield f"data: {json.dumps({'error': err})}\n\n"
+                    return
+                get = asyncio.ensure_future(job.events.get())  # type: ignore[union-attr]
+                fut = asyncio.ensure_future(asyncio.shield(job.future))
+                finished, _ = await asyncio.wait({get, fut}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+                if get in finished:
+                    snaps = get.result()
+                    fut.cancel()
+                else:
+                    get.cancel()
+                    if fut not in finished:
+                        continue
+                    rows = fut.result()  # raises the backend's error, if any
+                    snaps = [(r.text, r.finish_reason, list(r.logprobs)) for r in rows]
+                for i, (text, reason, lps) in enumerate(snaps):
+                    if done[i]:
+                        continue
+                    new, new_lp = text[sent[i] :], lps[sent_lp[i] :]
+                    if new or reason is not None:
+                        yield chunk(i, new, reason, new_lp)
+                        sent[i], sent_lp[i] = len(text), len(lps)
+                        done[i] = reason is not None
+            rows = await asyncio.shield(job.future)
+            if req.stream_options is not None and req.stream_options.include_usage:
+                yield f"data: {json.dumps({**envelope(kind, rid), 'choices': [], 'usage': _usage(rows, req.n)})}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            if not all(done):
+                job.cancel.set()  # the client went away (or timed out): free its rows
+
+    @app.post("/v1/completions", dependencies=[Depends(auth)])
+    async def completions(req: CompletionRequest) -> Any:
+        t0 = time.perf_counter()
+        metrics.requests += 1
+        prompts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
+        if not prompts or any(not isinstance(p, str) or not p for p in prompts):
+            raise APIError(422, "prompt: give a non-empty string or list of non-empty strings", "prompt")
+        check(req, prompts, req.max_tokens)
+        params = SamplingParams(req.max_tokens, req.temperature, req.top_p, req.stops(), req.seed, req.logprobs)
+        job = await submit(prompts, req, params)
+        rid = f"cmpl-{uuid.uuid4().hex[:16]}"
+        if req.stream:
+            return StreamingResponse(stream(job, req, rid, False, t0), media_type="text/event-stream")
+        rows = await finish(job)
+        record(t0, rows)
+        choices = [{"index": i, "text": r.text, "finish_reason": r.finish_reason,
+                    "logprobs": _completion_logprobs(r) if req.logprobs is not None else None}
+                   for i, r in enumerate(rows)]  # fmt: skip
+        return {**envelope("text_completion", rid), "choices": choices, "usage": _usage(rows, req.n)}
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
+    async def chat_completions(req: ChatCompletionRequest) -> Any:
+        t0 = time.perf_counter()
+        metrics.requests += 1
+        if not backend.chat_template:
+            raise APIError(400, f"messages: the export {backend.model_id!r} has no chat template; use /v1/completions, "
+                           "or export with a tokenizer that carries one", "messages")  # fmt: skip
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(422, "top_logprobs: requires logprobs: true", "top_logprobs")
+        prompt = backend.apply_chat_template([{"role": m.role if m.role != "developer" else "system",
+                                               "content": m.text()} for m in req.messages])  # fmt: skip
+        max_tokens = req.max_completion_tokens or req.max_tokens or min(settings.max_tokens, 256)
+        check(req, [prompt], max_tokens)
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        params = SamplingParams(max_tokens, req.temperature, req.top_p, req.stops(), req.seed, top)
+        job = await submit([prompt], req, params)
+        rid = f"chatcmpl-{uuid.uuid4().hex[:16]}"
+        if req.stream:
+            return StreamingResponse(stream(job, req, rid, True, t0), media_type="text/event-stream")
+        rows = await finish(job)
+        record(t0, rows)
+        choices = [{"index": i, "message": {"role": "assistant", "content": r.text},
+                    "finish_reason": r.finish_reason, "logprobs": _chat_logprobs(r.logprobs) if req.logprobs else None}
+                   for i, r in enumerate(rows)]  # fmt: skip
+        return {**envelope("chat.completion", rid), "choices": choices, "usage": _usage(rows, req.n)}
+
+    def record(t0: float, rows: list[GenerationRow]) -> None:
+        metrics.latency_sum += time.perf_counter() - t0
         metrics.latency_count += 1
-        metrics.completion_tokens += sum(r.completion_tokens for r in results)
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex[:16]}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": backend.model_id,
-            "choices": [
-                {"index": i, "text": r.text, "finish_reason": r.finish_reason, "logprobs": None}
-                for i, r in enumerate(results)
-            ],
-            "usage": {
-                "prompt_tokens": sum(r.prompt_tokens for r in results),
-                "completion_tokens": sum(r.completion_tokens for r in results),
-                "total_tokens": sum(r.prompt_tokens + r.completion_tokens for r in results),
-            },
-        }
+        metrics.completion_tokens += sum(len(r.token_ids) for r in rows)
 
     return app

@@ -11,12 +11,14 @@ when it is importable (GPU machines; not testable on CPUs, kept thin).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..export.deployed_model import load_deployed_model
+from .generation import GenerationRow, SamplingParams, generate_batch
 
 __all__ = ["Completion", "PyTorchBackend", "TRTLLMBackend", "load_backend"]
 
@@ -56,6 +58,26 @@ class PyTorchBackend:
         with self.tok_lock:
             return len(self.tokenizer(text).input_ids)
 
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self.tokenizer, "chat_template", None)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        """The prompt for a chat (the export's own template, with the assistant turn opened)."""
+        with self.tok_lock:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def generate_rows(
+        self,
+        prompts: list[str],
+        params: list[SamplingParams],
+        cancelled: list[threading.Event | None] | None = None,
+        on_step: Callable[[list[GenerationRow]], None] | None = None,
+    ) -> list[GenerationRow]:
+        """One batch: row ``i`` is ``prompts[i]`` sampled with ``params[i]`` (see :mod:`.generation`)."""
+        with self.lock, self.tok_lock:
+            return generate_batch(self.model, self.tokenizer, prompts, params, cancelled, on_step)
+
     def generate(
         self,
         prompts: list[str],
@@ -66,47 +88,10 @@ class PyTorchBackend:
         seed: int | None = None,
         cancel: threading.Event | None = None,
     ) -> list[Completion]:
-        from transformers import StoppingCriteria, StoppingCriteriaList
-
-        class Cancelled(StoppingCriteria):
-            def __call__(self, input_ids, scores, **kwargs):  # stop between tokens when cancelled
-                return bool(cancel is not None and cancel.is_set())
-
-        with self.tok_lock:
-            enc = self.tokenizer(prompts, return_tensors="pt", padding=True, return_token_type_ids=False)
-        sample = temperature > 0
-        with self.lock, torch.no_grad():
-            if seed is not None:
-                torch.manual_seed(seed)
-            out = self.model.generate(
-                **enc,
-                max_new_tokens=max_tokens,
-                do_sample=sample,
-                temperature=temperature if sample else None,
-                top_p=top_p if sample else None,
-                top_k=None,
-                pad_token_id=self.tokenizer.pad_token_id,
-                stopping_criteria=StoppingCriteriaList([Cancelled()]),
-            )
-        results = []
-        n_prompt = enc.input_ids.shape[1]
-        for i in range(len(prompts)):
-            new = out[i, n_prompt:]
-            eos = self.tokenizer.eos_token_id
-            ids = new.tolist()
-            if eos is not None and eos in ids:
-                ids = ids[: ids.index(eos)]
-            with self.tok_lock:
-                text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            reason = "length" if len(ids) >= max_tokens else "stop"
-            for s in stop or []:
-                if s and s in text:
-                    text, reason = text[: text.index(s)], "stop"
-            if cancel is not None and cancel.is_set():
-                reason = "cancelled"
-            prompt_tokens = int(enc.attention_mask[i].sum())
-            results.append(Completion(text, prompt_tokens, len(ids), reason))
-        return results
+        """Every prompt with the same sampling parameters (the simple form of :meth:`generate_rows`)."""
+        p = SamplingParams(max_tokens, temperature, top_p, tuple(stop or ()), seed)
+        rows = self.generate_rows(prompts, [p] * len(prompts), [cancel] * len(prompts))
+        return [Completion(r.text, r.prompt_tokens, len(r.token_ids), r.finish_reason or "length") for r in rows]
 
 
 class TRTLLMBackend:
@@ -128,13 +113,25 @@ class TRTLLMBackend:
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text))
 
-    def generate(self, prompts, max_tokens, temperature=0.0, top_p=1.0, stop=None, seed=None, cancel=None):
-        from tensorrt_llm import SamplingParams
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self.tokenizer, "chat_template", None)
 
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed)
-        outs = self.llm.generate(prompts, params)
-        return [Completion(o.outputs[0].text, len(o.prompt_token_ids), len(o.outputs[0].token_ids),
-                           o.outputs[0].finish_reason or "stop") for o in outs]  # fmt: skip
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def generate_rows(self, prompts, params, cancelled=None, on_step=None):
+        """One LLM API request per row; ``on_step`` once, at the end (no token streaming on this path yet)."""
+        from tensorrt_llm import SamplingParams as TRTParams
+
+        outs = self.llm.generate(prompts, [TRTParams(max_tokens=p.max_tokens, temperature=p.temperature,
+                                                     top_p=p.top_p, stop=list(p.stop) or None, seed=p.seed)
+                                           for p in params])  # fmt: skip
+        rows = [GenerationRow(len(o.prompt_token_ids), list(o.outputs[0].token_ids), o.outputs[0].text,
+                              finish_reason=o.outputs[0].finish_reason or "stop") for o in outs]  # fmt: skip
+        if on_step is not None:
+            on_step(rows)
+        return rows
 
 
 def load_backend(export_dir: str | Path, backend: str = "auto") -> PyTorchBackend | TRTLLMBackend:

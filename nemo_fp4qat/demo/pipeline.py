@@ -15,14 +15,20 @@ fit the 10-minute budget (``nemo_fp4qat.nemo`` runs the same model through NeMo)
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
+import sys
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 __all__ = ["DemoConfig", "run_demo"]
+
+log = logging.getLogger("nemo_fp4qat")
 
 
 @dataclass
@@ -108,17 +114,7 @@ def _train(
 
 
 def run_demo(out_dir: str = "runs/demo", quick: bool = False, cfg: DemoConfig | None = None, **overrides: Any) -> int:
-    import lightning.pytorch as pl
-    import torch
     from rich.console import Console
-    from rich.table import Table
-
-    from .callback import FP4QATCallback
-    from .controller import QATController
-    from .demo_model import load_corpus, load_smollm2
-    from .evaluation import evaluate
-    from .monitor import QuantizationMonitor
-    from .quality_gate import write_report
 
     warnings.filterwarnings("ignore", message="Calibrating on")
     cfg = cfg or (DemoConfig.quick() if quick else DemoConfig())
@@ -127,10 +123,28 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, cfg: DemoConfig | 
             setattr(cfg, k, v)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    con = Console()
+    # bound to the terminal now: inside, stdout (modelopt's and NeMo's prints) goes to demo.log
+    con = Console(file=sys.stdout, soft_wrap=True)
     t0 = time.time()
-    pl.seed_everything(cfg.seed, workers=True)
-    con.print(f"[bold]nemo-fp4qat demo[/bold]: SmolLM2-135M on Austen; {asdict(cfg)}")
+    with _details_to_file(out / "demo.log") as details, contextlib.redirect_stdout(details):
+        return _run(cfg, out, con, t0)
+
+
+def _run(cfg: DemoConfig, out: Path, con: Any, t0: float) -> int:
+    import lightning.pytorch as pl
+    import torch
+    from rich.table import Table
+
+    from ..eval.evaluation import evaluate
+    from ..eval.gate import write_report
+    from ..lightning.callback import FP4QATCallback
+    from ..lightning.monitor import QuantizationMonitor
+    from ..qat.controller import QATController
+    from .model import load_corpus, load_smollm2
+
+    con.print(f"[bold]nemo-fp4qat demo[/bold]: SmolLM2-135M on Austen (details: {out / 'demo.log'})")
+    log.info("demo config: %s", asdict(cfg))
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
     base, tok = load_smollm2()
     train_ids = tok(load_corpus("emma"))["input_ids"]
     val_ids = tok(load_corpus("persuasion"))["input_ids"]
@@ -141,27 +155,35 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, cfg: DemoConfig | 
     val = torch.tensor(val_ids[: cfg.eval_window * cfg.eval_windows])
 
     def ev(model, name: str) -> dict[str, Any]:
-        r = evaluate(model, val, window=cfg.eval_window).as_dict()
-        con.print(f"  {name}: perplexity {r['ppl']:.3f}  ({r['tokens_per_s']:.0f} tokens/s)")
+        with con.status(f"evaluating {name}"):
+            r = evaluate(model, val, window=cfg.eval_window).as_dict()
+        log.info("%s: perplexity %.3f (%.0f tokens/s)", name, r["ppl"], r["tokens_per_s"])
         return r
 
-    variants: dict[str, dict[str, Any]] = {}
-    con.print("[bold]1/5[/bold] baseline evaluation")
-    variants["bf16"] = ev(base, "bf16 (original)")
+    def stage(i: int, what: str, result: str) -> None:
+        con.print(f"[bold]{i}/5[/bold] {what:<46} {result}")
 
-    con.print(f"[bold]2/5[/bold] full-precision fine-tune, {cfg.steps} steps (the fair baseline)")
+    variants: dict[str, dict[str, Any]] = {}
+    variants["bf16"] = ev(base, "bf16 (original)")
+    stage(1, "baseline (original SmolLM2-135M)", f"perplexity {variants['bf16']['ppl']:.3f}")
+
     ft = copy.deepcopy(base)
     ft_losses = _train(ft, train, cfg, out, [], "finetune")
     variants["bf16_finetuned"] = ev(ft, "bf16 fine-tuned")
+    stage(2, f"BF16 fine-tune, {cfg.steps} steps (the fair baseline)",
+          f"perplexity {variants['bf16_finetuned']['ppl']:.3f}")  # fmt: skip
 
-    con.print(f"[bold]3/5[/bold] PTQ of the fine-tuned model (policy {cfg.policy!r})")
     ptq = copy.deepcopy(ft)
     ctl = QATController(policy=cfg.policy, schedule="direct", calibration=cfg.calib_samples,
                         forward_fn=lambda m, b: m(b))  # fmt: skip
     ctl.prepare(ptq)
     ctl.calibrate(ptq, calib)
+    (out / "policy_table.txt").write_text(ctl.table.format_table() + "\n")  # type: ignore[union-attr]
     variants["ptq"] = ev(ptq, "PTQ")
     del ptq
+    p = variants["ptq"]
+    stage(3, f"PTQ of the fine-tune (policy {cfg.policy!r})",
+          f"perplexity {p['ppl']:.3f} at {p['bits_per_weight']:.2f} bits/weight")  # fmt: skip
 
     def plain_qat() -> tuple[Any, list[float], FP4QATCallback, QuantizationMonitor]:
         model = copy.deepcopy(base)
@@ -183,27 +205,26 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, cfg: DemoConfig | 
         mon = QuantizationMonitor(every_n_steps=qad_steps, out_dir=str(out / "quant_quality"))
         return model, _train(model, train, cfg, out, [cb, mon], "qad", lr=cfg.qad_lr, steps=qad_steps), cb, mon
 
+    plain_note = ""
     if cfg.mode == "qad":
-        con.print(
-            f"[bold]4/5[/bold] QAD: PTQ model distilled from the fine-tune (KL, lr {cfg.qad_lr}), {qad_steps} steps"
-        )
         if cfg.plain_qat:
             m, _, _, _ = plain_qat()
             variants["qat_plain"] = ev(m, f"plain QAT ({cfg.schedule}, from the original)")
+            plain_note = f"; plain QAT {variants['qat_plain']['ppl']:.3f}"
             del m
         qat_model, qat_losses, qat_cb, monitor = qad()
         method = f"QAD from the fine-tune (direct, KL only, lr {cfg.qad_lr}, {qad_steps} steps)"
+        what = f"QAD from the fine-tune, {qad_steps} steps"
     else:
         qad_note = f", distillation alpha {cfg.distill_alpha}" if cfg.distill_alpha > 0 else ""
-        con.print(f"[bold]4/5[/bold] QAT ({cfg.schedule} schedule{qad_note}, same data and steps)")
         qat_model, qat_losses, qat_cb, monitor = plain_qat()
         method = f"plain QAT from the original ({cfg.schedule}{qad_note})"
+        what = f"plain QAT ({cfg.schedule}), {cfg.steps} steps"
     variants["qat"] = ev(qat_model, "QAT (in memory)")
-
-    con.print("[bold]5/5[/bold] export (TensorRT-LLM checkpoint + unified HF checkpoint, validated) and report")
-    from .export import ExportConfig, export_checkpoint
-    from .export.deployed_model import load_deployed_model
-    from .policy import LayerPolicy
+    stage(4, what, f"perplexity {variants['qat']['ppl']:.3f}{plain_note}")
+    from ..export import ExportConfig, export_checkpoint
+    from ..export.deployed_model import load_deployed_model
+    from ..qat.policy import LayerPolicy
 
     # Presets say where they deploy: "trtllm" (default) or "pytorch" (MXFP8 attention: this plugin's server only).
     runtime = LayerPolicy.resolve_spec(cfg.policy).runtime
@@ -212,11 +233,9 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, cfg: DemoConfig | 
         trt = export_checkpoint(qat_model, out / "export_trtllm", ExportConfig(kind="trtllm", runtime=runtime,
                                 overwrite=True), tokenizer=tok)  # fmt: skip
         exports["trtllm"] = str(trt)
-        con.print(f"  TensorRT-LLM checkpoint (qnemo layout, TP 1): {trt}; engine build plan: {trt}/build_engine.sh")
     hf = export_checkpoint(qat_model, out / "export", ExportConfig(kind="hf", runtime=runtime, overwrite=True),
                            tokenizer=tok)  # fmt: skip
     exports["hf"] = str(hf)
-    con.print(f"  unified HF checkpoint ({runtime}): {hf}; serve it: nemo-fp4qat serve {hf}")
     # The QAT row is what deploys: the exported HF checkpoint rebuilt by the serving unpacker.
     in_memory = variants.pop("qat")
     deployed = load_deployed_model(hf)
@@ -224,6 +243,8 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, cfg: DemoConfig | 
     variants["qat"]["bits_per_weight"] = in_memory["bits_per_weight"]
     variants["qat"]["weight_ratio_vs_bf16"] = in_memory["weight_ratio_vs_bf16"]
     del deployed
+    stage(5, "export, validated (" + " + ".join(exports) + f", runtime {runtime})",
+          f"as served: perplexity {variants['qat']['ppl']:.3f}")  # fmt: skip
     report = write_report(
         out,
         variants,
@@ -250,5 +271,34 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, cfg: DemoConfig | 
     con.print(f"QAT = {method}")
     con.print(f"gap to BF16 = ppl_QAT / ppl_BF16_finetuned - 1 = [bold]{100 * gap:.1f}%[/bold]; "
               f"recovery = (ppl_PTQ - ppl_QAT) / (ppl_PTQ - ppl_BF16_finetuned) = [bold]{rec:.3f}[/bold]")  # fmt: skip
-    con.print(f"wall time {time.time() - t0:.0f} s; everything is under {out.resolve()}")
+    con.print(f"wall time {time.time() - t0:.0f} s. Written under {out}/: report.md, report.json, plots, "
+              "policy_table.txt, quant_quality/, demo.log")  # fmt: skip
+    for kind, path in exports.items():
+        con.print(f"  {kind} checkpoint: {path}" + (f"  (serve: nemo-fp4qat serve {path})" if kind == "hf" else ""))
     return 0
+
+
+@contextlib.contextmanager
+def _details_to_file(path: Path) -> Iterator[TextIO]:
+    """Lightning's and the plugin's INFO messages (policy tables, monitor tables, set-up notes) go to
+    ``path`` at DEBUG and up instead of the terminal, which keeps the stages, the table and the
+    progress bars; warnings still reach both."""
+    handler = logging.FileHandler(path, mode="w")
+    handler.setLevel(logging.DEBUG)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
+    loggers = [logging.getLogger(n) for n in ("lightning.pytorch", "lightning.fabric", "nemo_fp4qat")]
+    saved = [(lg, lg.level, [(h, h.level) for h in lg.handlers]) for lg in loggers]
+    for lg in loggers:
+        for h in lg.handlers:
+            h.setLevel(max(h.level, logging.WARNING))
+        lg.addHandler(handler)
+        lg.setLevel(logging.DEBUG)
+    try:
+        yield handler.stream
+    finally:
+        for lg, level, handlers in saved:
+            lg.removeHandler(handler)
+            lg.setLevel(level)
+            for h, hl in handlers:
+                h.setLevel(hl)
+        handler.close()

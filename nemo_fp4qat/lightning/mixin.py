@@ -63,6 +63,11 @@ class FP4QATMixin:
         if self._fp4qat is not None:
             self._fp4qat.on_save_checkpoint(self.trainer, self, checkpoint)  # type: ignore[attr-defined,arg-type]
 
+    def teardown(self, stage: str) -> None:
+        super().teardown(stage)  # type: ignore[misc]
+        if self._fp4qat is not None:
+            self._fp4qat.patches.restore()
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)  # type: ignore[misc]
         if CHECKPOINT_KEY in checkpoint and self._fp4qat is not None:

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..numerics.formats import QuantFormat, get_format
 from .calibration import CalibrationConfig, default_forward, run_calibration, sync_amax_across_ranks
-from .formats import QuantFormat, get_format
+from .config import QATConfig
 from .fused_siblings import find_fused_siblings, share_fused_amax
 from .modelopt_compat import apply_quant_cfg, build_quant_cfg, calibration_algorithm
 from .policy import POLICY_PRESETS, LayerPolicy, PolicyTable, element_bits, is_quantizer
@@ -64,10 +65,10 @@ class QATController:
 
     def __init__(
         self,
-        policy: Any = "default",
-        schedule: Any = "direct",
-        calibration: Any = None,
-        share_fused_amax: bool = True,
+        policy: Any = QATConfig.policy,
+        schedule: Any = QATConfig.schedule,
+        calibration: Any = QATConfig.calibration,
+        share_fused_amax: bool = QATConfig.share_fused_amax,
         forward_fn: Callable[[nn.Module, Any], Any] | None = None,
     ) -> None:
         self.policy = LayerPolicy.resolve_spec(policy)

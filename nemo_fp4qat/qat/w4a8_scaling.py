@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.nn as nn
 
-from .formats import format_of_quantizer
+from ..numerics.formats import format_of_quantizer
 
 __all__ = ["W4A8_AMAX_FACTOR", "calibrated_w4a8_layers", "is_w4a8", "scale_w4a8_weight_amax", "w4a8_export_amax"]
 

@@ -1,21 +1,20 @@
 """``QuantizationMonitor``: watches quantization quality during QAT (or once after PTQ).
 
 Every ``every_n_steps`` steps and at every precision-stage switch it measures, per quantized layer,
-the weight quantization error and statistics (:mod:`nemo_fp4qat.quality_metrics`), the input
+the weight quantization error and statistics (:mod:`nemo_fp4qat.monitor.analysis`), the input
 quantization error on the current batch (through forward hooks on modelopt's input quantizers),
 amax drift since calibration, and non-finite gradients; it logs them to the trainer's loggers under
-stable names (``quant/<layer>/<metric>``), checks them against named thresholds, and acts on findings
-per policy: warn, stop the run cleanly, or roll the affected layer group back one stage.
-At each switch and at the end it prints a table, and it writes ``quant_report.json`` and PNG plots
-next to the run's logs.
+stable names (``quant/<layer>/<metric>``), checks them against named thresholds
+(:mod:`nemo_fp4qat.monitor.findings`), and acts on findings per policy: warn, stop the run cleanly,
+or roll the affected layer group back one stage. At each switch and at the end it prints a table,
+and it writes ``quant_report.json`` and PNG plots (:mod:`nemo_fp4qat.monitor.report`) next to the
+run's logs.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -24,108 +23,12 @@ import torch
 import torch.nn as nn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from .quality_metrics import quantization_error, weight_statistics
+from ..monitor.analysis import amax_of, analyze_model, quantized_layers
+from ..monitor.findings import ACTIONS, SUGGESTIONS, Finding, MonitorThresholds, check_layer
+from ..monitor.report import summary_table, write_report
+from ..numerics.metrics import quantization_error
 
-__all__ = ["ACTIONS", "SUGGESTIONS", "Finding", "MonitorThresholds", "QuantizationMonitor", "analyze_model"]
-
-log = logging.getLogger("nemo_fp4qat")
-ACTIONS = ("warn", "stop", "rollback")
-
-
-@dataclass
-class MonitorThresholds:
-    """Named thresholds; each finding cites the one it crossed.
-
-    Attributes:
-        max_weight_rel_err: weight ||Q(w)-w||/||w|| above this is "high_weight_error"
-            (NVFP4 on Gaussian weights is ~0.10; MXFP4 ~0.12).
-        max_input_rel_err: same for inputs on the current batch ("high_input_error").
-        min_weight_std: weights with a smaller standard deviation have "collapsed".
-        max_saturated_frac: share of weights beyond the static amax ("heavy_saturation").
-        max_flushed_frac: share of non-zero weights quantized to zero ("heavy_flush").
-        loss_spike_factor: loss above this times its running mean within ``spike_window`` steps
-            after a switch is a "loss_spike_after_switch".
-    """
-
-    max_weight_rel_err: float = 0.25
-    max_input_rel_err: float = 0.35
-    min_weight_std: float = 1e-6
-    max_saturated_frac: float = 0.01
-    max_flushed_frac: float = 0.5
-    loss_spike_factor: float = 1.5
-    spike_window: int = 5
-
-
-SUGGESTIONS = {
-    "nonfinite": "a NaN/Inf reached this layer: lower the learning rate, check the data, or keep the layer at FP8",
-    "high_weight_error": "keep this layer at a higher precision (fp8/mxfp8) in the policy, or recalibrate",
-    "high_input_error": "keep this layer's inputs at FP8 (policy 'input: fp8') or recalibrate on more samples",
-    "collapsed_weights": "weights have (near) zero variance: check for dead layers or too high weight decay",
-    "heavy_saturation": "recalibrate amax (weights grew past the calibrated range) or use a block format",
-    "heavy_flush": "most weights round to zero: use a finer block scale (nvfp4) or a higher precision",
-    "loss_spike_after_switch": "lower the learning rate around switches, add a ramp (ramp_steps), or stay "
-    "longer in the previous stage",
-}
-
-
-@dataclass
-class Finding:
-    step: int
-    layer: str
-    problem: str
-    metric: str
-    value: float
-    threshold: float
-    suggestion: str
-    action: str = "warn"
-
-    def __str__(self) -> str:
-        return (
-            f"step {self.step}: {self.problem} in {self.layer}: {self.metric}={self.value:.4g} "
-            f"(threshold {self.threshold:.4g}) -> {self.suggestion} [{self.action}]"
-        )
-
-
-def _quantized_layers(model: nn.Module) -> dict[str, nn.Module]:
-    out = {}
-    for name, m in model.named_modules():
-        wq = getattr(m, "weight_quantizer", None)
-        iq = getattr(m, "input_quantizer", None)
-        if (wq is not None and wq.is_enabled) or (iq is not None and iq.is_enabled):
-            out[name] = m
-    return out
-
-
-def _amax(q: Any) -> float | None:
-    a = getattr(q, "_amax", None)
-    if isinstance(a, torch.Tensor) and a.numel() == 1:
-        return float(a)
-    return None
-
-
-def _block(q: Any) -> int | None:
-    bs = getattr(q, "block_sizes", None) or {}
-    return bs.get(-1)
-
-
-def analyze_model(model: nn.Module) -> dict[str, dict[str, Any]]:
-    """Weight metrics for every enabled weight quantizer of ``model`` (usable alone after PTQ)."""
-    out: dict[str, dict[str, Any]] = {}
-    with torch.no_grad():
-        for name, m in _quantized_layers(model).items():
-            wq = getattr(m, "weight_quantizer", None)
-            if wq is None or not wq.is_enabled or not isinstance(getattr(m, "weight", None), torch.Tensor):
-                continue
-            w = m.weight
-            qw = wq(w)
-            rec = {f"weight_{k}": v for k, v in quantization_error(w, qw).items()}
-            # saturation only where a static per-tensor amax enters the numerics (not MX formats)
-            static_amax = None if getattr(wq, "is_mx_format", False) else _amax(wq)
-            rec.update({f"weight_{k}": v for k, v in weight_statistics(w, qw, static_amax, _block(wq)).items()})
-            rec["weight_amax"] = _amax(wq)
-            rec["input_amax"] = _amax(getattr(m, "input_quantizer", None))
-            out[name] = rec
-    return out
+__all__ = ["QuantizationMonitor"]
 
 
 class QuantizationMonitor(pl.Callback):
@@ -188,7 +91,7 @@ class QuantizationMonitor(pl.Callback):
 
     def _install_input_hooks(self, module: nn.Module) -> None:
         self._remove_hooks()
-        for name, m in _quantized_layers(module).items():
+        for name, m in quantized_layers(module).items():
             iq = getattr(m, "input_quantizer", None)
             if iq is None or not iq.is_enabled:
                 continue
@@ -212,10 +115,10 @@ class QuantizationMonitor(pl.Callback):
         self._snapshot_amax(self._module(pl_module))
 
     def _snapshot_amax(self, module: nn.Module) -> None:
-        for name, m in _quantized_layers(module).items():
+        for name, m in quantized_layers(module).items():
             self._calib_amax[name] = {
-                "weight": _amax(getattr(m, "weight_quantizer", None)),
-                "input": _amax(getattr(m, "input_quantizer", None)),
+                "weight": amax_of(getattr(m, "weight_quantizer", None)),
+                "input": amax_of(getattr(m, "input_quantizer", None)),
             }
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -235,7 +138,7 @@ class QuantizationMonitor(pl.Callback):
             return
         self._remove_hooks()
         step = trainer.global_step
-        for name, m in _quantized_layers(self._module(pl_module)).items():
+        for name, m in quantized_layers(self._module(pl_module)).items():
             for pname, p in m.named_parameters(recurse=False):
                 if p.grad is not None and not torch.isfinite(p.grad).all():
                     self._find(trainer, step, name, "nonfinite", f"grad_{pname}_nonfinite", 1.0, 0.0)
@@ -301,25 +204,8 @@ class QuantizationMonitor(pl.Callback):
             )
 
     def _check(self, trainer, step: int, name: str, rec: dict[str, Any], th: MonitorThresholds) -> None:
-        if rec.get("weight_nonfinite", 0) or rec.get("input_nonfinite", 0):
-            metric = "weight_nonfinite" if rec.get("weight_nonfinite", 0) else "input_nonfinite"
-            self._find(trainer, step, name, "nonfinite", metric, float(rec[metric]), 0.0)
-            return
-        if rec["weight_std"] < th.min_weight_std:
-            self._find(trainer, step, name, "collapsed_weights", "weight_std", rec["weight_std"], th.min_weight_std)
-            return
-        if rec["weight_rel_err"] > th.max_weight_rel_err:
-            self._find(trainer, step, name, "high_weight_error", "weight_rel_err", rec["weight_rel_err"],
-                       th.max_weight_rel_err)  # fmt: skip
-        if rec.get("input_rel_err", 0.0) > th.max_input_rel_err:
-            self._find(trainer, step, name, "high_input_error", "input_rel_err", rec["input_rel_err"],
-                       th.max_input_rel_err)  # fmt: skip
-        if rec["weight_saturated_frac"] > th.max_saturated_frac:
-            self._find(trainer, step, name, "heavy_saturation", "weight_saturated_frac", rec["weight_saturated_frac"],
-                       th.max_saturated_frac)  # fmt: skip
-        if rec["weight_flushed_frac"] > th.max_flushed_frac:
-            self._find(trainer, step, name, "heavy_flush", "weight_flushed_frac", rec["weight_flushed_frac"],
-                       th.max_flushed_frac)  # fmt: skip
+        for problem, metric, value, threshold in check_layer(rec, th):
+            self._find(trainer, step, name, problem, metric, value, threshold)
 
     def _find(self, trainer, step, layer, problem, metric, value, threshold) -> None:
         f = Finding(step, layer, problem, metric, float(value), float(threshold), SUGGESTIONS[problem], self.action)
@@ -345,21 +231,7 @@ class QuantizationMonitor(pl.Callback):
         ctl.roll_back_group(group)
 
     # --- output ---------------------------------------------------------------------------------
-    @staticmethod
-    def summary_table(layers: dict[str, dict[str, Any]], title: str, top: int = 15) -> str:
-        """The ``top`` layers with the highest weight error (all layers are in the JSON report)."""
-        head = (
-            f"{'layer':<48} {'rel_err':>8} {'sqnr_dB':>8} {'in_err':>8} {'std':>9} {'kurt':>7} {'flush':>6} {'sat':>6}"
-        )
-        worst = sorted(layers.items(), key=lambda kv: -kv[1]["weight_rel_err"])[:top]
-        rows = [f"{title}: {min(top, len(layers))} of {len(layers)} layers, highest error first", head, "-" * len(head)]
-        for name, r in worst:
-            rows.append(
-                f"{name[-48:]:<48} {r['weight_rel_err']:8.4f} {r['weight_sqnr_db']:8.2f} "
-                f"{r.get('input_rel_err', float('nan')):8.4f} {r['weight_std']:9.3g} {r['weight_kurtosis']:7.2f} "
-                f"{r['weight_flushed_frac']:6.3f} {r['weight_saturated_frac']:6.3f}"
-            )
-        return "\n".join(rows)
+    summary_table = staticmethod(summary_table)
 
     def report_dir(self, trainer: pl.Trainer | None) -> Path:
         if self.out_dir:
@@ -370,64 +242,4 @@ class QuantizationMonitor(pl.Callback):
 
     def write_report(self, trainer: pl.Trainer | None) -> Path:
         """``quant_report.json`` + ``quant_error_by_stage.png`` + ``weight_stats_heatmap.png``."""
-        out = self.report_dir(trainer)
-        out.mkdir(parents=True, exist_ok=True)
-        report = {
-            "thresholds": asdict(self.thresholds),
-            "action": self.action,
-            "findings": [asdict(f) for f in self.findings],
-            "measurements": self.records,
-        }
-        tmp = out / "quant_report.json.tmp"
-        tmp.write_text(json.dumps(report, indent=1, default=float))
-        tmp.replace(out / "quant_report.json")
-        try:
-            self._plots(out)
-        except Exception as e:  # plotting must never fail a training run
-            log.warning("nemo_fp4qat monitor: plots not written (%s)", e)
-        return out / "quant_report.json"
-
-    def _plots(self, out: Path) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import numpy as np
-
-        if not self.records:
-            return
-        # last measurement of each stage
-        by_stage: dict[str, dict[str, Any]] = {}
-        for r in self.records:
-            by_stage[r["stage"]] = r["layers"]
-        layers = list(self.records[-1]["layers"])
-        fig, ax = plt.subplots(figsize=(min(16, max(6, 0.3 * len(layers))), 4.5))
-        for stage, recs in by_stage.items():
-            ax.plot(range(len(layers)), [recs.get(n, {}).get("weight_rel_err", np.nan) for n in layers], ".-",
-                    label=stage, lw=0.8)  # fmt: skip
-        every = max(1, math.ceil(len(layers) / 40))  # at most ~40 labels stay readable
-        ax.set_xticks(range(0, len(layers), every))
-        ax.set_xticklabels([n[-28:] for n in layers[::every]], rotation=90, fontsize=6)
-        ax.set_ylabel("weight ||Q(w)-w|| / ||w||")
-        ax.set_title("Weight quantization error by layer and stage")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "quant_error_by_stage.png", dpi=120)
-        plt.close(fig)
-        stats = ["weight_rel_err", "weight_std", "weight_absmax", "weight_kurtosis", "weight_flushed_frac",
-                 "weight_saturated_frac"]  # fmt: skip
-        last = self.records[-1]["layers"]
-        mat = np.array([[float(last[n].get(s) or 0.0) for s in stats] for n in layers])
-        span = mat.max(axis=0) - mat.min(axis=0)
-        norm = (mat - mat.min(axis=0)) / np.where(span > 0, span, 1.0)
-        fig, ax = plt.subplots(figsize=(7, min(14, max(3, 0.3 * len(layers)))))
-        im = ax.imshow(norm, aspect="auto", cmap="viridis")
-        ax.set_xticks(range(len(stats)))
-        ax.set_xticklabels([s.replace("weight_", "") for s in stats], rotation=45, ha="right", fontsize=7)
-        ax.set_yticks(range(0, len(layers), every))
-        ax.set_yticklabels([n[-32:] for n in layers[::every]], fontsize=6)
-        ax.set_title("Weight statistics (column-normalized), final")
-        fig.colorbar(im, ax=ax)
-        fig.tight_layout()
-        fig.savefig(out / "weight_stats_heatmap.png", dpi=120)
-        plt.close(fig)
+        return write_report(self.report_dir(trainer), self.thresholds, self.action, self.findings, self.records)

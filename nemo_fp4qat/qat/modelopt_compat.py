@@ -20,7 +20,7 @@ from typing import Any
 
 from packaging.version import Version
 
-from .formats import QuantFormat, get_format
+from ..numerics.formats import QuantFormat, get_format
 
 __all__ = [
     "QuantizerAssignment",

@@ -1,6 +1,6 @@
 """Native (C, OpenMP) versions of the CPU fake-quant kernels, compiled on first use.
 
-The pure-PyTorch kernels in :mod:`nemo_fp4qat.cpu_fake_quant` make ~15 passes over memory; this C
+The pure-PyTorch kernels in :mod:`nemo_fp4qat.numerics.fake_quant` make ~15 passes over memory; this C
 version makes one, which is what makes CPU QAT usable. Written by hand because no library ships
 CPU NVFP4/MX fake quantization; it is plain C with no PyTorch headers, so it builds in well under a
 second with the system C compiler and is loaded with ``ctypes``. It computes exactly what the

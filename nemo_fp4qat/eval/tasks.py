@@ -5,8 +5,8 @@ the accuracy column of the evaluation is a next-sentence task built deterministi
 held-out book: the context is a few consecutive sentences, the answer is the sentence that follows,
 the distractors are sentences of similar length drawn from elsewhere in the same book. Chance is
 ``1 / choices``; a language model that follows the story scores well above it, and quantization
-damage shows up as lost points. Tasks use the format :func:`~nemo_fp4qat.evaluation.load_mc_tasks`
-reads and :func:`~nemo_fp4qat.evaluation.multiple_choice_accuracy` scores.
+damage shows up as lost points. Tasks use the format :func:`~nemo_fp4qat.eval.evaluation.load_mc_tasks`
+reads and :func:`~nemo_fp4qat.eval.evaluation.multiple_choice_accuracy` scores.
 """
 
 from __future__ import annotations

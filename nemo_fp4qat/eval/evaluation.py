@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .formats import format_of_quantizer
+from ..numerics.formats import format_of_quantizer
 
 __all__ = [
     "EvalResult",
@@ -132,7 +132,7 @@ def quantized_weight_memory(model: nn.Module, weight_formats: dict[str, str] | N
     Formats come from the modules' weight quantizers, or from ``weight_formats`` (module name ->
     format name) for a model rebuilt from an export, which has no quantizers left.
     """
-    from .formats import get_format
+    from ..numerics.formats import get_format
 
     weight_formats = weight_formats or {}
     total_bf16 = 0.0

@@ -25,15 +25,6 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return cfg
 
 
-def _fqname(cls: type) -> str:
-    # Public re-export path when the class is in nemo_fp4qat's API (nicer in saved configs).
-    import nemo_fp4qat
-
-    if getattr(nemo_fp4qat, cls.__name__, None) is cls:
-        return f"nemo_fp4qat.{cls.__name__}"
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
 def instantiate_yaml(path: str | Path, default_target: type | None = None) -> Any:
     """Build the object a YAML file describes (hydra ``instantiate``)."""
     from hydra.utils import instantiate
@@ -42,5 +33,5 @@ def instantiate_yaml(path: str | Path, default_target: type | None = None) -> An
     if "_target_" not in cfg:
         if default_target is None:
             raise ValueError(f"{path} has no _target_; add e.g. '_target_: nemo_fp4qat.LayerPolicy'.")
-        cfg = {"_target_": _fqname(default_target), **cfg}
+        cfg = {"_target_": f"{default_target.__module__}.{default_target.__qualname__}", **cfg}
     return instantiate(cfg, _convert_="all")

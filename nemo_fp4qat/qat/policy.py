@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from .formats import FULL_PRECISION, QuantFormat, get_format
+from ..numerics.formats import FULL_PRECISION, QuantFormat, get_format
 
 # KV-cache formats a policy may request (TensorRT-LLM deploys FP8 KV caches from calibrated scales).
 KV_CACHE_FORMATS = frozenset({"fp8"})

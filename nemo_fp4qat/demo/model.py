@@ -5,7 +5,7 @@
   ``LlamaForCausalLM`` and cached under ``~/.cache/nemo_fp4qat``. Its weights are 4-bit dequantized,
   so it is a real model but not a true BF16 checkpoint.
 * Corpus: Jane Austen's *Emma* (training) and *Persuasion* (validation), public domain, shipped in
-  ``nemo_fp4qat/demo_data``.
+  ``nemo_fp4qat/demo/data``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 __all__ = ["DATA_DIR", "GGUF_FILE", "load_corpus", "load_smollm2", "smollm2_dir", "smollm2_hf_dir"]
 
-DATA_DIR = Path(__file__).parent / "demo_data"
+DATA_DIR = Path(__file__).parent / "data"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .formats import FULL_PRECISION, QuantFormat, get_format
+from ..numerics.formats import FULL_PRECISION, QuantFormat, get_format
 from .policy import element_bits
 
 __all__ = ["SCHEDULE_PRESETS", "TARGET", "PrecisionSchedule", "Stage", "effective_format"]

@@ -1,4 +1,4 @@
-"""Plugs :mod:`nemo_fp4qat.cpu_fake_quant` into modelopt for CPU tensors only.
+"""Plugs :mod:`nemo_fp4qat.numerics.fake_quant` into modelopt for CPU tensors only.
 
 modelopt's ``DynamicBlockQuantizationFunction`` (the autograd function used for NVFP4 and MX
 quantizers) calls the module-level ``tensor_quant.dynamic_block_quantize_op`` at run time. We wrap
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .cpu_fake_quant import fake_quant_block, fake_quant_fp8
+from .fake_quant import fake_quant_block, fake_quant_fp8
 
 __all__ = [
     "BACKEND_NAME",

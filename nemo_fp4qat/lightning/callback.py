@@ -26,10 +26,12 @@ import torch
 import torch.nn as nn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from .calibration import collect_batches
-from .controller import QATController
-from .distillation import DistillationConfig, Distiller
-from .policy import is_quantizable_linear
+from ..qat.calibration import collect_batches
+from ..qat.config import QATConfig
+from ..qat.controller import QATController
+from ..qat.distillation import DistillationConfig, Distiller
+from ..qat.policy import is_quantizable_linear
+from .patches import MethodPatches
 
 __all__ = ["CHECKPOINT_KEY", "FP4QATCallback"]
 
@@ -69,19 +71,29 @@ class FP4QATCallback(pl.Callback):
 
     def __init__(
         self,
-        policy: Any = "default",
-        schedule: Any = "direct",
-        calibration: Any = None,
+        policy: Any = QATConfig.policy,
+        schedule: Any = QATConfig.schedule,
+        calibration: Any = QATConfig.calibration,
         calibration_data: Iterable[Any] | None = None,
         forward_fn: Callable[[nn.Module, Any], Any] | None = None,
         module_getter: Callable[[pl.LightningModule], nn.Module] | None = None,
-        share_fused_amax: bool = True,
-        log_every_n_steps: int = 1,
-        distillation: Any = None,
-        export_dir: str | None = None,
-        export: Any = None,
+        share_fused_amax: bool = QATConfig.share_fused_amax,
+        log_every_n_steps: int = QATConfig.log_every_n_steps,
+        distillation: Any = QATConfig.distillation,
+        export_dir: str | None = QATConfig.export_dir,
+        export: Any = QATConfig.export,
     ) -> None:
         super().__init__()
+        self.config = QATConfig(
+            policy=policy,
+            schedule=schedule,
+            calibration=calibration,
+            distillation=distillation,
+            share_fused_amax=share_fused_amax,
+            log_every_n_steps=log_every_n_steps,
+            export_dir=export_dir,
+            export=export,
+        )
         self.controller = QATController(
             policy=policy,
             schedule=schedule,
@@ -93,17 +105,25 @@ class FP4QATCallback(pl.Callback):
         self.export = self._check_export(export)
         self.calibration_data = calibration_data
         self.module_getter = module_getter
-        self.log_every_n_steps = max(1, int(log_every_n_steps))
+        self.log_every_n_steps = log_every_n_steps
         self.distillation = DistillationConfig.resolve_spec(distillation)
         self.distiller: Distiller | None = None
         self._prepared = False
+        self.patches = MethodPatches()
+
+    @classmethod
+    def from_config(cls, config: QATConfig | dict[str, Any], **hooks: Any) -> FP4QATCallback:
+        """The callback for a :class:`QATConfig` (or a dict of its fields); ``hooks`` are the
+        non-serializable arguments (``calibration_data``, ``forward_fn``, ``module_getter``)."""
+        fields = vars(config) if isinstance(config, QATConfig) else dict(config)
+        return cls(**fields, **hooks)
 
     def _check_export(self, export: Any) -> Any:
         """Refuse a bad export configuration now, not after training: unknown kind / runtime / dtype, or a
         runtime the policy does not deploy to. Without an explicit runtime, the policy's is used."""
         if export is None:
             return None
-        from .export import ExportConfig
+        from ..export import ExportConfig
 
         if isinstance(export, ExportConfig):
             cfg = export
@@ -152,16 +172,17 @@ class FP4QATCallback(pl.Callback):
         self._prepared = True
 
     def _wrap_training_step(self, pl_module: pl.LightningModule) -> None:
-        original = pl_module.training_step
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def training_step(*args: Any, **kwargs: Any) -> Any:
+                out = original(*args, **kwargs)
+                lm = out["loss"] if isinstance(out, dict) else out
+                loss = self.distiller.mix(lm)  # type: ignore[union-attr]
+                pl_module.log_dict({f"qad/{k}": v for k, v in self.distiller.last.items()}, on_step=True, batch_size=1)  # type: ignore[union-attr]
+                return {**out, "loss": loss} if isinstance(out, dict) else loss
 
-        def training_step(*args: Any, **kwargs: Any) -> Any:
-            out = original(*args, **kwargs)
-            lm = out["loss"] if isinstance(out, dict) else out
-            loss = self.distiller.mix(lm)  # type: ignore[union-attr]
-            pl_module.log_dict({f"qad/{k}": v for k, v in self.distiller.last.items()}, on_step=True, batch_size=1)  # type: ignore[union-attr]
-            return {**out, "loss": loss} if isinstance(out, dict) else loss
+            return training_step
 
-        pl_module.training_step = training_step  # type: ignore[method-assign]
+        self.patches.patch(pl_module, "training_step", make)
 
     def restore_from_checkpoint(self, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> bool:
         """Reconfigure quantizers to a checkpoint's saved state (before Lightning loads its weights)."""
@@ -184,26 +205,36 @@ class FP4QATCallback(pl.Callback):
             return
         if self.controller.total_steps is None and trainer.max_steps and trainer.max_steps > 0:
             self.controller.total_steps = int(trainer.max_steps)
+
         # LightningModule.on_load_checkpoint runs before the weights are loaded (callbacks' hooks run
         # after): reconfigure the quantizers there so their amax buffers load with the weights.
-        original_on_load = pl_module.on_load_checkpoint
+        def on_load(original: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+            def on_load_checkpoint_then_restore(checkpoint: dict[str, Any]) -> None:
+                original(checkpoint)
+                self.restore_from_checkpoint(pl_module, checkpoint)
 
-        def on_load_checkpoint_then_restore(checkpoint: dict[str, Any]) -> None:
-            original_on_load(checkpoint)
-            self.restore_from_checkpoint(pl_module, checkpoint)
+            return on_load_checkpoint_then_restore
 
-        pl_module.on_load_checkpoint = on_load_checkpoint_then_restore  # type: ignore[method-assign]
+        self.patches.patch(pl_module, "on_load_checkpoint", on_load)
+        if self.distiller is not None:
+            self._wrap_training_step(pl_module)  # again, when a second fit follows a teardown
         if self._has_linears(pl_module):
             self.prepare(trainer, pl_module)
             return
+
         # Layers are created in configure_model: quantize right after it runs.
-        original = pl_module.configure_model
+        def configure(original: Callable[[], None]) -> Callable[[], None]:
+            def configure_model_then_quantize() -> None:
+                original()
+                self.prepare(trainer, pl_module)
 
-        def configure_model_then_quantize() -> None:
-            original()
-            self.prepare(trainer, pl_module)
+            return configure_model_then_quantize
 
-        pl_module.configure_model = configure_model_then_quantize  # type: ignore[method-assign]
+        self.patches.patch(pl_module, "configure_model", configure)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Put back every method this callback wrapped (see :mod:`nemo_fp4qat.lightning.patches`)."""
+        self.patches.restore()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         ctl = self.controller
@@ -255,7 +286,7 @@ class FP4QATCallback(pl.Callback):
 
     def export_model(self, pl_module: pl.LightningModule, out_dir: str) -> Any:
         """Export the quantized module (see ``export_dir``); returns the export directory."""
-        from .export import export_checkpoint
+        from ..export import export_checkpoint
 
         module = self.target_module(pl_module)
         # default: unified HF checkpoint for Hugging Face models, TRT-LLM (qnemo) for megatron-core ones

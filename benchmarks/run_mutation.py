@@ -1,0 +1,178 @@
+"""`make mutate`: mutation testing of the modules whose correctness is numeric or safety-critical.
+
+Python modules go through mutmut (each target with the tests that name its behaviour); the C source
+of the native fake-quant kernels, which mutmut cannot see (it is a string compiled at run time), gets
+a fixed list of hand-written mutations run against the tests that pin the kernel. Results go to
+``benchmarks/results/mutation.{json,md}``: killed / total per module, and every survivor with its diff
+and, where one was reviewed, the reason it is equivalent (``benchmarks/mutation_equivalent.json``).
+
+Each target runs in a scratch copy of the tree (mutmut writes ``mutants/`` beside the sources), so
+the checkout is never touched. ``--only fake_quant`` runs one target; ``--max-children`` sets the
+parallelism. A full run takes hours on 2 cores; ``make mutate`` runs the quick targets, and
+``MUTATE_TARGETS=all make mutate`` everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+EQUIVALENT = ROOT / "benchmarks" / "mutation_equivalent.json"
+
+# module -> the tests that name its behaviour (mutmut runs, per mutant, those of them that execute it)
+TARGETS: dict[str, dict] = {
+    "fake_quant": {"module": "nemo_fp4qat/numerics/fake_quant.py", "tests": ["tests/test_cpu_numerics.py"]},
+    "unpack": {"module": "nemo_fp4qat/export/unpack.py", "tests": ["tests/test_export.py"]},
+    "layout": {"module": "nemo_fp4qat/export/layout.py", "tests": ["tests/test_export.py"]},
+    "weight_check": {"module": "nemo_fp4qat/export/weight_check.py", "tests": ["tests/test_export.py"]},
+    "validate": {"module": "nemo_fp4qat/export/validate.py", "tests": ["tests/test_export.py"]},
+    "formats": {"module": "nemo_fp4qat/numerics/formats.py",
+                "tests": ["tests/test_policy.py", "tests/test_cpu_backend.py"]},
+    "calibration": {"module": "nemo_fp4qat/qat/calibration.py", "tests": ["tests/test_amax_sync.py"]},
+    "controller": {"module": "nemo_fp4qat/qat/controller.py", "tests": ["tests/test_schedule.py"]},
+    "serve_app": {"module": "nemo_fp4qat/serve/app.py", "tests": ["tests/test_serve.py"]},
+}  # fmt: skip
+QUICK = ["c_kernel", "unpack", "layout"]
+
+# (what the mutation breaks, text in native_kernels._SOURCE, replacement)
+C_MUTATIONS = [
+    ("ties round half up instead of to even", "r = (r + 12582912.0f) - 12582912.0f;", "r = floorf(r + 0.5f);"),
+    ("values above the format's max are not clamped", "return (a >= fmax) ? fmax : r;", "return r;"),
+    ("subnormals use the normal exponent", "e = e < emin ? emin : e;", "e = e;"),
+    ("NaN counts in the block amax", "bmax = (a > bmax) ? a : bmax;", "bmax = (a > bmax || a != a) ? a : bmax;"),
+    ("NVFP4 block scale not clamped to 448", "if (!(ratio <= 448.f)) ratio = 448.f;", ""),
+    ("NVFP4 block scale rounded with 2 mantissa bits", "round_minifloat(ratio, 3, -6, 448.f)",
+     "round_minifloat(ratio, 2, -6, 448.f)"),
+]  # fmt: skip
+C_TESTS = ["tests/test_cpu_numerics.py", "-k", "native"]
+
+
+def _scratch_copy() -> Path:
+    """The tracked and new files of the checkout (not build outputs or environments) in a temp dir."""
+    work = Path(tempfile.mkdtemp(prefix="nemo_fp4qat-mutate-"))
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout.split()  # fmt: skip
+    for f in files:
+        src = ROOT / f
+        if src.is_file():
+            (work / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, work / f)
+    return work
+
+
+def run_c_kernel() -> dict:
+    """Each C mutation compiled and run against the native-kernel tests; killed when a test fails."""
+    results = []
+    for what, old, new in C_MUTATIONS:
+        work = _scratch_copy()
+        path = work / "nemo_fp4qat/numerics/native_kernels.py"
+        src = path.read_text()
+        assert old in src, f"C mutation {what!r}: {old!r} is no longer in the kernel source"
+        path.write_text(src.replace(old, new, 1))
+        env = {**os.environ, "PYTHONPATH": str(work), "NEMO_FP4QAT_CACHE": str(work / ".cache")}
+        res = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *C_TESTS],
+                             cwd=work, env=env, capture_output=True, text=True)  # fmt: skip
+        failed = re.findall(r"^FAILED (\S+)", res.stdout, re.M)
+        results.append({"mutation": what, "status": "killed" if res.returncode == 1 else
+                        ("survived" if res.returncode == 0 else f"error {res.returncode}"),
+                        "killed_by": failed[:1], "diff": f"- {old}\n+ {new}"})  # fmt: skip
+        shutil.rmtree(work, ignore_errors=True)
+        print(f"  C kernel: {what}: {results[-1]['status']}", flush=True)
+    return {"module": "nemo_fp4qat/numerics/native_kernels.py (C source)", "mutants": results}
+
+
+def run_mutmut(name: str, max_children: int) -> dict:
+    spec = TARGETS[name]
+    work = _scratch_copy()
+    others = sorted(str(p.relative_to(work)) for p in (work / "nemo_fp4qat").rglob("*.py"))
+    others = [p for p in others if p != spec["module"]]
+    (work / "setup.cfg").write_text(
+        "[mutmut]\npaths_to_mutate=nemo_fp4qat/\n"
+        + "do_not_mutate=\n" + "".join(f"    {p}\n" for p in others)
+        + "tests_dir=\n" + "".join(f"    {t}\n" for t in spec["tests"])
+    )  # fmt: skip
+    # mutmut reads [tool.mutmut] from pyproject.toml first: this project keeps its config here instead
+    env = {**os.environ, "NEMO_FP4QAT_CACHE": str(work / ".cache")}
+    t0 = time.time()
+    subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(max_children)], cwd=work, env=env)
+    meta = json.loads((work / "mutants" / (spec["module"] + ".meta")).read_text())
+    codes = meta["exit_code_by_key"]
+    status = {1: "killed", 3: "killed", -24: "timeout", 0: "survived", 33: "no tests", 5: "no tests",
+              34: "skipped", 36: "timeout", 24: "timeout", 152: "timeout", 255: "timeout", -11: "segfault"}  # fmt: skip
+    mutants = []
+    for key, code in sorted(codes.items()):
+        st = status.get(code, "not checked" if code is None else f"exit {code}")
+        entry = {"mutant": key, "status": st}
+        if st in ("survived", "no tests"):
+            shown = subprocess.run([sys.executable, "-m", "mutmut", "show", key], cwd=work, env=env,
+                                   capture_output=True, text=True).stdout  # fmt: skip
+            entry["diff"] = "\n".join(ln for ln in shown.splitlines() if ln.startswith(("+", "-")) and
+                                      not ln.startswith(("+++", "---")))  # fmt: skip
+        mutants.append(entry)
+    shutil.rmtree(work, ignore_errors=True)
+    return {"module": spec["module"], "tests": spec["tests"], "wall_s": round(time.time() - t0), "mutants": mutants}
+
+
+def _score(r: dict) -> tuple[int, int]:
+    ms = [m for m in r["mutants"] if m["status"] not in ("not checked", "skipped")]
+    return sum(m["status"] in ("killed", "timeout") for m in ms), len(ms)
+
+
+def write_results(results: dict[str, dict]) -> None:
+    equivalent = json.loads(EQUIVALENT.read_text()) if EQUIVALENT.is_file() else {}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "mutation.json").write_text(json.dumps(results, indent=1))
+    lines = ["# Mutation testing (`make mutate`, written by benchmarks/run_mutation.py)", "",
+             "| module | tests | killed / total | score | survivors explained |", "|---|---|---|---|---|"]  # fmt: skip
+    detail = []
+    for r in results.values():
+        killed, total = _score(r)
+        survivors = [m for m in r["mutants"] if m["status"] in ("survived", "no tests")]
+        explained = [m for m in survivors if (m.get("mutant") or m.get("mutation")) in equivalent]
+        tests = ", ".join(r.get("tests", C_TESTS[:1]))
+        lines.append(f"| `{r['module']}` | {tests} | {killed} / {total} | {killed / max(total, 1):.0%} | "
+                     f"{len(explained)} of {len(survivors)} |")  # fmt: skip
+        for m in survivors:
+            key = m.get("mutant") or m.get("mutation")
+            why = equivalent.get(key, "not yet reviewed")
+            detail += [f"### {key} ({m['status']})", "", f"Reason: {why}", "", "```diff", m.get("diff", ""), "```", ""]
+    lines += ["", "Killed = a test failed (or timed out) with the mutant in place. Survivors below, each with",
+              "its diff and the reason it is equivalent when reviewed (`benchmarks/mutation_equivalent.json`).", "",
+              *detail]  # fmt: skip
+    (RESULTS / "mutation.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", nargs="*", help=f"targets: c_kernel, {', '.join(TARGETS)}, or 'all' (default: quick)")
+    p.add_argument("--max-children", type=int, default=os.cpu_count() or 2)
+    p.add_argument("--report", action="store_true", help="only rewrite mutation.md from mutation.json")
+    args = p.parse_args()
+    if args.report:
+        write_results(json.loads((RESULTS / "mutation.json").read_text()))
+        return 0
+    names = args.only or os.environ.get("MUTATE_TARGETS", "").split() or QUICK
+    if names == ["all"]:
+        names = ["c_kernel", *TARGETS]
+    previous = json.loads((RESULTS / "mutation.json").read_text()) if (RESULTS / "mutation.json").is_file() else {}
+    for name in names:
+        print(f"mutating {name} ...", flush=True)
+        previous[name] = run_c_kernel() if name == "c_kernel" else run_mutmut(name, args.max_children)
+        write_results(previous)  # after each target: a long run interrupted keeps what it measured
+        killed, total = _score(previous[name])
+        print(f"{name}: {killed} / {total} killed", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

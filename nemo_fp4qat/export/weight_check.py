@@ -1,0 +1,133 @@
+"""The numeric check: every exported weight, dequantized by this plugin's unpacker, against the trained
+model's fake-quantized weight (FP4: the E2M1 codes must name the same grid point)."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .layout import FP4_ALGOS, NVFP4_WEIGHT_ALGOS
+from .reader import head_counts
+from .unpack import E2M1_VALUES, dequantize_linear, e8m0_to_float, unpack_e2m1_codes
+from .validation_report import ValidationReport
+
+__all__ = ["compare_weights", "model_reference", "resmoothed"]
+
+_MCORE = [
+    (r"transformer\.layers\.(\d+)\.attention\.qkv", r"decoder.layers.\1.self_attention.linear_qkv"),
+    (r"transformer\.layers\.(\d+)\.attention\.dense", r"decoder.layers.\1.self_attention.linear_proj"),
+    (r"transformer\.layers\.(\d+)\.mlp\.fc", r"decoder.layers.\1.mlp.linear_fc1"),
+    (r"transformer\.layers\.(\d+)\.mlp\.gate", r"decoder.layers.\1.mlp.linear_fc1"),
+    (r"transformer\.layers\.(\d+)\.mlp\.proj", r"decoder.layers.\1.mlp.linear_fc2"),
+]
+# TRT-LLM names -> Hugging Face Llama-family modules (concatenated along rows when several)
+_HF = [
+    (r"transformer\.layers\.(\d+)\.attention\.qkv", ["q_proj", "k_proj", "v_proj"], "self_attn"),
+    (r"transformer\.layers\.(\d+)\.attention\.dense", ["o_proj"], "self_attn"),
+    (r"transformer\.layers\.(\d+)\.mlp\.fc", ["gate_proj"], "mlp"),  # the activated branch
+    (r"transformer\.layers\.(\d+)\.mlp\.gate", ["up_proj"], "mlp"),
+    (r"transformer\.layers\.(\d+)\.mlp\.proj", ["down_proj"], "mlp"),
+]
+
+
+def _qkv_rows(config: dict[str, Any]) -> torch.Tensor:
+    """Row order that turns megatron's per-group interleaved [q.., k, v] into TRT-LLM's [Q; K; V]."""
+    heads, kv, hd = head_counts(config)
+    per = heads // kv
+    group = (per + 2) * hd
+    q = [g * group + j for g in range(kv) for j in range(per * hd)]
+    k = [g * group + per * hd + j for g in range(kv) for j in range(hd)]
+    v = [g * group + (per + 1) * hd + j for g in range(kv) for j in range(hd)]
+    return torch.tensor(q + k + v)
+
+
+def _fake_quant(mod: nn.Module) -> torch.Tensor | None:
+    if getattr(mod, "weight_quantizer", None) is None:
+        return None
+    with torch.no_grad():
+        return mod.weight_quantizer(mod.weight.detach()).to(torch.float64)
+
+
+def model_reference(
+    modules: dict[str, nn.Module], name: str, kind: str, config: dict[str, Any], names: set[str]
+) -> torch.Tensor | None:
+    """The model's fake-quantized weight for exported module ``name`` (None: no counterpart)."""
+    if name in modules:
+        return _fake_quant(modules[name])
+    if kind != "trtllm":
+        return None
+    for pat, leaves, block in _HF:  # Hugging Face model exported to a TRT-LLM checkpoint
+        m = re.fullmatch(pat, name)
+        found = [modules.get(f"model.layers.{m.group(1)}.{block}.{leaf}") for leaf in leaves] if m else []
+        if found and all(f is not None for f in found):
+            refs = [_fake_quant(f) for f in found]
+            return None if any(r is None for r in refs) else torch.cat(refs, 0)
+    for pat, repl in _MCORE:  # megatron-core model
+        if re.fullmatch(pat, name):
+            target = re.sub(pat, repl, name)
+            break
+    else:
+        return None
+    ref = _fake_quant(modules[target]) if target in modules else None
+    if ref is None:
+        return None
+    if target.endswith("linear_qkv"):
+        ref = ref[_qkv_rows(config)]
+    if target.endswith("linear_fc1") and f"{name.rsplit('.', 1)[0]}.gate" in names:
+        half = ref.shape[0] // 2  # gated MLP: linear_fc1 = [activated half; linear half] -> "fc", "gate"
+        ref = ref[:half] if name.endswith(".fc") else ref[half:]
+    return ref
+
+
+def resmoothed(modules: dict[str, nn.Module], name: str, t: dict[str, torch.Tensor]) -> bool:
+    """Whether the exporter changed this layer's smoothing scale (so its weights were requantized)."""
+    mod = modules.get(name)
+    iq = getattr(mod, "input_quantizer", None)
+    trained = getattr(iq, "_pre_quant_scale", None) if iq is not None else None
+    if trained is None:
+        return False
+    exported = t.get("pre_quant_scale")
+    return exported is None or not torch.allclose(exported.double().flatten(), trained.double().flatten(), rtol=1e-6)
+
+
+def compare_weights(rep: ValidationReport, mod: str, algo: str, t: dict[str, torch.Tensor], ref: torch.Tensor) -> None:
+    num = rep.numeric
+    try:
+        got = dequantize_linear(t, algo)
+    except Exception as e:  # reported as a problem of this tensor
+        rep.error(f"{mod}.weight", f"cannot be unpacked as {algo}: {e}")
+        return
+    if got.shape != ref.shape:
+        rep.error(f"{mod}.weight", f"unpacks to shape {tuple(got.shape)} but the model's weight is {tuple(ref.shape)}.")
+        return
+    num["layers_compared"] = num.get("layers_compared", 0) + 1
+    if algo.upper() in FP4_ALGOS:
+        codes = unpack_e2m1_codes(t["weight"]).long()
+        if algo.upper() in NVFP4_WEIGHT_ALGOS:
+            s = (t["weight_scale"].float() * t["weight_scale_2"].float().reshape(())).double()
+        else:
+            s = e8m0_to_float(t["weight_scale"])
+        s = s.repeat_interleave(codes.shape[-1] // s.shape[-1], dim=-1)
+        want = ref / s  # the model's E2M1 values (exact up to the fp32 rounding of q * s)
+        # The exported code must name exactly the model's E2M1 value. E2M1 grid points are >= 0.5
+        # apart, so a distance below 1e-5 relative means "same grid point", and anything else is a
+        # different code or a model value off the grid (both errors). Zero scales carry no codes.
+        code_values = E2M1_VALUES[codes]
+        bad = int((((want - code_values).abs() > 1e-5 * code_values.abs().clamp_min(0.5)) & (s != 0)).sum())
+        num["fp4_codes_compared"] = num.get("fp4_codes_compared", 0) + codes.numel()
+        num["fp4_codes_different"] = num.get("fp4_codes_different", 0) + bad
+        if bad:
+            rep.error(
+                f"{mod}.weight", f"{bad} of {codes.numel()} FP4 codes differ from the trained fake-quant weights."
+            )
+            return
+    denom = ref.abs().clamp_min(torch.finfo(torch.float32).tiny)
+    rel = ((got - ref).abs() / denom).max().item() if ref.numel() else 0.0
+    num["max_rel_error"] = max(num.get("max_rel_error", 0.0), rel)
+    if not math.isfinite(rel) or rel > 2e-6:
+        rep.error(f"{mod}.weight", f"dequantized weights differ from the trained fake-quant weights (max rel error "
+                  f"{rel:.3g}, allowed 2e-6: the rounding of the scale product).")  # fmt: skip

@@ -1,0 +1,62 @@
+"""``QATConfig``: what a QAT run is, with its defaults defined once.
+
+Every entry point builds one: :class:`~nemo_fp4qat.FP4QATCallback` (and so the mixin and the NeMo
+callback), :func:`nemo_fp4qat.nemo.with_fp4_qat` and the NeMo-Run ``fp4qat(...)`` factory take their
+argument defaults from this class, so a run configured through any of them starts from the same
+policy, schedule and calibration. The fields keep the specs as given (preset names, YAML paths,
+dicts), so the config stays serializable for NeMo-Run; ``__post_init__`` resolves each once to fail
+before training with an error that names the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .calibration import CalibrationConfig
+from .distillation import DistillationConfig
+from .policy import LayerPolicy
+from .schedule import PrecisionSchedule
+
+__all__ = ["QATConfig"]
+
+
+@dataclass
+class QATConfig:
+    """One QAT run's configuration.
+
+    Attributes:
+        policy: preset name, YAML path, dict or :class:`LayerPolicy`. The default policy deploys on
+            TensorRT-LLM (FP8 attention, NVFP4 MLP, full-precision embeddings/output/norms).
+        schedule: preset name (``"direct"``, ``"progressive"``), YAML path, dict or
+            :class:`PrecisionSchedule`. ``"direct"`` by default: starting from the PTQ'd model at the
+            target formats is what measured best here and in NVIDIA's QAD recipe.
+        calibration: sample count, dict or :class:`CalibrationConfig` (default: its sample count).
+        distillation: ``None`` (plain QAT), ``True``/``"qad"`` (KL to the model before quantization),
+            a dict or a :class:`DistillationConfig`.
+        share_fused_amax: one amax for q/k/v and gate/up siblings (TensorRT-LLM requires it).
+        log_every_n_steps: how often per-group bits are logged.
+        export_dir: export the trained model there at the end of training.
+        export: export options (kind, runtime, tensor_parallel ...), dict or ``ExportConfig``.
+    """
+
+    policy: Any = "default"
+    schedule: Any = "direct"
+    calibration: Any = CalibrationConfig.num_samples
+    distillation: Any = None
+    share_fused_amax: bool = True
+    log_every_n_steps: int = 1
+    export_dir: str | None = None
+    export: Any = None
+
+    def __post_init__(self) -> None:
+        policy = LayerPolicy.resolve_spec(self.policy)
+        PrecisionSchedule.resolve_spec(self.schedule).validate_for(policy.target_format)
+        CalibrationConfig.resolve_spec(self.calibration)
+        DistillationConfig.resolve_spec(self.distillation)
+        if not isinstance(self.share_fused_amax, bool):
+            raise ValueError(f"share_fused_amax must be True or False, got {self.share_fused_amax!r}")
+        if isinstance(self.log_every_n_steps, bool) or not isinstance(self.log_every_n_steps, int):
+            raise ValueError(f"log_every_n_steps must be a positive int, got {self.log_every_n_steps!r}")
+        if self.log_every_n_steps < 1:
+            raise ValueError(f"log_every_n_steps must be a positive int, got {self.log_every_n_steps!r}")

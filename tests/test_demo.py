@@ -1,0 +1,37 @@
+"""`nemo-fp4qat demo` as a user runs it (the embedded SmolLM2-135M, a few steps): the terminal tells the
+story in five stage lines and one table; the details go to files; both checkpoints are written validated."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.slow
+def test_demo_prints_five_stages_and_writes_the_details_to_files(tmp_path):
+    out = tmp_path / "demo"
+    res = subprocess.run(
+        [sys.executable, "-m", "nemo_fp4qat.cli", "demo", "--quick", "--steps", "2", "--qad-steps", "2",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    stages = [m.group(1) for m in re.finditer(r"^(\d)/5 ", res.stdout, re.M)]
+    assert stages == ["1", "2", "3", "4", "5"], res.stdout
+    assert "gap to BF16" in res.stdout and "BF16 vs PTQ vs QAT" in res.stdout
+    # the per-module policy table, library prints and Lightning's set-up notes are not on the terminal ...
+    for noise in ("self_attn.q_proj", "Inserted", "GPU available", "quantization quality at step"):
+        assert noise not in res.stdout, noise
+    assert len(res.stdout.splitlines()) < 40, res.stdout
+    # ... but in the files
+    assert "model.layers.0.self_attn.q_proj" in (out / "policy_table.txt").read_text()
+    log = (out / "demo.log").read_text()
+    assert "Inserted" in log and "quantization quality at step" in log
+    report = json.loads((out / "report.json").read_text())
+    assert {"bf16", "bf16_finetuned", "ptq", "qat"} <= set(report["variants"])
+    for export in ("export", "export_trtllm"):
+        assert json.loads((out / export / "validation.json").read_text())["ok"] is True
