@@ -8,8 +8,15 @@ and, where one was reviewed, the reason it is equivalent (``benchmarks/mutation_
 
 Each target runs in a scratch copy of the tree (mutmut writes ``mutants/`` beside the sources), so
 the checkout is never touched. ``--only fake_quant`` runs one target; ``--max-children`` sets the
-parallelism. A full run takes hours on 2 cores; ``make mutate`` runs the quick targets, and
-``MUTATE_TARGETS=all make mutate`` everything.
+parallelism. ``make mutate`` runs the C-source set (about 2 minutes); ``MUTATE_TARGETS=all make mutate``
+also runs mutmut over every Python target.
+
+Known limitation (mutmut 3.8.1 here): its stats run recorded no test for most mutants of
+``export/unpack.py`` (reported "no tests") and the rest timed out, although ``tests/export`` calls those
+functions; the editable install of the package and mutmut's own ``sys.path`` handling are the suspects
+(the finder below fixes the import of the mutated copy, verified by hand, but not the stats mapping).
+Until that is solved the Python modules carry no mutation score; the survivors table in the issue was
+killed by hand-written tests instead.
 """
 
 from __future__ import annotations
@@ -31,18 +38,20 @@ EQUIVALENT = ROOT / "benchmarks" / "mutation_equivalent.json"
 
 # module -> the tests that name its behaviour (mutmut runs, per mutant, those of them that execute it)
 TARGETS: dict[str, dict] = {
-    "fake_quant": {"module": "nemo_fp4qat/numerics/fake_quant.py", "tests": ["tests/test_cpu_numerics.py"]},
-    "unpack": {"module": "nemo_fp4qat/export/unpack.py", "tests": ["tests/test_export.py"]},
-    "layout": {"module": "nemo_fp4qat/export/layout.py", "tests": ["tests/test_export.py"]},
-    "weight_check": {"module": "nemo_fp4qat/export/weight_check.py", "tests": ["tests/test_export.py"]},
-    "validate": {"module": "nemo_fp4qat/export/validate.py", "tests": ["tests/test_export.py"]},
+    "fake_quant": {"module": "nemo_fp4qat/numerics/fake_quant.py", "tests": ["tests/numerics/test_cpu_numerics.py"]},
+    "unpack": {"module": "nemo_fp4qat/export/unpack.py", "tests": ["tests/export/test_export.py"]},
+    "layout": {"module": "nemo_fp4qat/export/layout.py", "tests": ["tests/export/test_export.py"]},
+    "weight_check": {"module": "nemo_fp4qat/export/weight_check.py", "tests": ["tests/export/test_export.py"]},
+    "validate": {"module": "nemo_fp4qat/export/validate.py", "tests": ["tests/export/test_export.py"]},
     "formats": {"module": "nemo_fp4qat/numerics/formats.py",
-                "tests": ["tests/test_policy.py", "tests/test_cpu_backend.py"]},
-    "calibration": {"module": "nemo_fp4qat/qat/calibration.py", "tests": ["tests/test_amax_sync.py"]},
-    "controller": {"module": "nemo_fp4qat/qat/controller.py", "tests": ["tests/test_schedule.py"]},
-    "serve_app": {"module": "nemo_fp4qat/serve/app.py", "tests": ["tests/test_serve.py"]},
+                "tests": ["tests/qat/test_policy.py", "tests/numerics/test_cpu_backend.py"]},
+    "calibration": {"module": "nemo_fp4qat/qat/calibration.py", "tests": ["tests/qat/test_amax_sync.py"]},
+    "controller": {"module": "nemo_fp4qat/qat/controller.py", "tests": ["tests/qat/test_schedule.py"]},
+    "serve_app": {"module": "nemo_fp4qat/serve/app.py", "tests": ["tests/serve/test_serve.py"]},
 }  # fmt: skip
-QUICK = ["c_kernel", "unpack", "layout"]
+# mutmut on this project's layout does not yet map tests to mutants (see the module docstring): the quick
+# default is the C-source set, which runs and scores; MUTATE_TARGETS names the mutmut targets to try
+QUICK = ["c_kernel"]
 
 # (what the mutation breaks, text in native_kernels._SOURCE, replacement)
 C_MUTATIONS = [
@@ -54,7 +63,25 @@ C_MUTATIONS = [
     ("NVFP4 block scale rounded with 2 mantissa bits", "round_minifloat(ratio, 3, -6, 448.f)",
      "round_minifloat(ratio, 2, -6, 448.f)"),
 ]  # fmt: skip
-C_TESTS = ["tests/test_cpu_numerics.py", "-k", "native"]
+C_TESTS = ["tests/numerics/test_cpu_numerics.py", "-k", "native"]
+# mutmut's CLI imported as a module, not run as __main__ (mutated functions import `mutmut.__main__`).
+# `nemo_fp4qat` is pinned to mutmut's mutated copy by a finder placed first: this environment's editable
+# install would otherwise resolve it to the checkout (so no test ever runs a mutant), and mutmut's own
+# sys.path set-up drops the mutants directory when it runs from inside it.
+MUTMUT = """
+import importlib.machinery, os, sys
+MUTANTS = os.path.abspath("mutants")
+class _Mutated:
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name == "nemo_fp4qat":
+            return importlib.machinery.PathFinder.find_spec(name, [MUTANTS])
+        return None
+sys.meta_path.insert(0, _Mutated)
+from mutmut.__main__ import cli
+sys.argv[0] = "mutmut"
+cli()
+"""
 
 
 def _scratch_copy() -> Path:
@@ -94,17 +121,15 @@ def run_c_kernel() -> dict:
 def run_mutmut(name: str, max_children: int) -> dict:
     spec = TARGETS[name]
     work = _scratch_copy()
-    others = sorted(str(p.relative_to(work)) for p in (work / "nemo_fp4qat").rglob("*.py"))
-    others = [p for p in others if p != spec["module"]]
     (work / "setup.cfg").write_text(
-        "[mutmut]\npaths_to_mutate=nemo_fp4qat/\n"
-        + "do_not_mutate=\n" + "".join(f"    {p}\n" for p in others)
-        + "tests_dir=\n" + "".join(f"    {t}\n" for t in spec["tests"])
+        "[mutmut]\nsource_paths=nemo_fp4qat/\n"
+        f"only_mutate={spec['module']}\n"
+        + "pytest_add_cli_args_test_selection=\n" + "".join(f"    {t}\n" for t in spec["tests"])
     )  # fmt: skip
-    # mutmut reads [tool.mutmut] from pyproject.toml first: this project keeps its config here instead
+    # mutmut reads [tool.mutmut] from pyproject.toml first: this project keeps its config here instead.
     env = {**os.environ, "NEMO_FP4QAT_CACHE": str(work / ".cache")}
     t0 = time.time()
-    subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(max_children)], cwd=work, env=env)
+    subprocess.run([sys.executable, "-c", MUTMUT, "run", "--max-children", str(max_children)], cwd=work, env=env)
     meta = json.loads((work / "mutants" / (spec["module"] + ".meta")).read_text())
     codes = meta["exit_code_by_key"]
     status = {1: "killed", 3: "killed", -24: "timeout", 0: "survived", 33: "no tests", 5: "no tests",
@@ -114,7 +139,7 @@ def run_mutmut(name: str, max_children: int) -> dict:
         st = status.get(code, "not checked" if code is None else f"exit {code}")
         entry = {"mutant": key, "status": st}
         if st in ("survived", "no tests"):
-            shown = subprocess.run([sys.executable, "-m", "mutmut", "show", key], cwd=work, env=env,
+            shown = subprocess.run([sys.executable, "-c", MUTMUT, "show", key], cwd=work, env=env,
                                    capture_output=True, text=True).stdout  # fmt: skip
             entry["diff"] = "\n".join(ln for ln in shown.splitlines() if ln.startswith(("+", "-")) and
                                       not ln.startswith(("+++", "---")))  # fmt: skip

@@ -1,4 +1,4 @@
-"""Subprocess worker for tests/test_nemo_import.py: imports the demo model into NeMo (megatron CPU
+"""Subprocess worker for tests/nemo/test_nemo_import.py: imports the demo model into NeMo (megatron CPU
 mode, its own process because NeMo's importer sets up torch.distributed), compares logits with the
 Hugging Face model, then quantizes both with the same policy and compares those logits. Prints JSON."""
 

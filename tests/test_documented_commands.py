@@ -1,6 +1,6 @@
 """Every command the documents show exists as typed: `nemo-fp4qat ...` lines parse with the CLI's own
 parser (and every subcommand is documented), `make` targets exist, example scripts exist. The NeMo-Run
-commands are run as typed (dry run) in tests/test_nemo_run.py, which takes its list from here."""
+commands are run as typed (dry run) in tests/nemo/test_nemo_run.py, which takes its list from here."""
 
 from __future__ import annotations
 

@@ -116,3 +116,29 @@ class LitLM(pl.LightningModule):
 
 def loader(n: int = 128, seq_len: int = 32, batch_size: int = 8, seed: int = 0) -> DataLoader:
     return DataLoader(PatternTokens(n, seq_len, seed), batch_size=batch_size, shuffle=False)
+
+
+FULL = {"patterns": ["*lm_head*", "*embed*", "*norm*"], "weight": "bf16", "group": "full", "optional": True}
+
+
+def calibrated_tiny_llama(policy, hidden=128, seed=0, kv_cache=None):
+    """A tiny Llama moved off its initialisation, quantized per ``policy`` (a format name or preset) and
+    calibrated: what export tests start from."""
+    from nemo_fp4qat import LayerPolicy, QATController
+    from nemo_fp4qat.qat.policy import POLICY_PRESETS
+
+    model = tiny_llama(seed=seed, hidden=hidden)
+    if isinstance(policy, str) and policy not in POLICY_PRESETS:
+        policy = LayerPolicy(rules=[FULL], default=policy, kv_cache=kv_cache)
+    elif kv_cache:
+        policy = LayerPolicy.preset(policy)
+        policy.kv_cache = kv_cache
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # move the weights off their initialisation: not a freshly built model
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=g))
+    ctl = QATController(policy=policy, schedule="direct", calibration=4)
+    ctl.prepare(model)
+    ctl.calibrate(model, [torch.randint(0, VOCAB, (2, 16), generator=g) for _ in range(4)])
+    ctl.step(model, 0)
+    return model

@@ -127,10 +127,14 @@ def _trtllm_modules(path: Path, qcfg: dict[str, Any], ranks: list[dict[str, torc
 
 
 def load_deployed_model(export_dir: str | Path, dtype: torch.dtype = torch.float32) -> DeployedModel:
-    """Rebuild the deployed model of ``export_dir`` (unified HF or TensorRT-LLM checkpoint)."""
+    """Rebuild the deployed model of ``export_dir`` (unified HF or TensorRT-LLM checkpoint; a plain,
+    unquantized Hugging Face model directory loads as it is)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = Path(export_dir)
+    if _plain_hf_dir(path):  # an unquantized Hugging Face model: served as is (the baseline beside an export)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        return DeployedModel(model, AutoTokenizer.from_pretrained(path), "hf", {})
     kind, qcfg, ranks = load_export(path)
     if kind == "hf":
         raw = json.loads((path / "config.json").read_text())
@@ -174,6 +178,15 @@ def load_deployed_model(export_dir: str | Path, dtype: torch.dtype = torch.float
     if missing:
         raise ValueError(f"{path}: the export has no tensors for {sorted(missing)[:4]} ({len(missing)} in all).")
     return DeployedModel(model, tokenizer, kind, algos)
+
+
+def _plain_hf_dir(path: Path) -> bool:
+    return (
+        (path / "config.json").is_file()
+        and (path / "tokenizer_config.json").is_file()
+        and not (path / "hf_quant_config.json").is_file()
+        and not (path / "rank0.safetensors").is_file()
+    )
 
 
 def _input_hook(module: nn.Module, algo: str, input_scale: torch.Tensor | None) -> None:

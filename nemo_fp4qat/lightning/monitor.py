@@ -41,6 +41,10 @@ class QuantizationMonitor(pl.Callback):
             ``"rollback"`` (the layer's group goes back to its previous format, needs FP4QATCallback).
         out_dir: where ``quant_report.json`` and the plots go (default: the trainer's log dir).
         module_getter: the module holding the quantizers (default: the LightningModule).
+        check_finite_every_step: on every step (not only measurement steps), check each quantized
+            layer's input for NaN/Inf before it is quantized. The fake quant clips an Inf to the format's
+            largest value (as modelopt's kernels do), so nothing downstream would show it; this check
+            costs one read of each quantized input per step.
     """
 
     def __init__(
@@ -50,6 +54,7 @@ class QuantizationMonitor(pl.Callback):
         action: str = "warn",
         out_dir: str | None = None,
         module_getter: Any = None,
+        check_finite_every_step: bool = True,
     ) -> None:
         super().__init__()
         if action not in ACTIONS:
@@ -72,6 +77,9 @@ class QuantizationMonitor(pl.Callback):
         self._last_switch: int | None = None
         self._n_switches = 0
         self._measure_now = False
+        self.check_finite_every_step = check_finite_every_step
+        self._finite_hooks: list[Any] = []
+        self._nonfinite: dict[str, int] = {}  # layer -> non-finite input elements seen this step
 
     # --- helpers ------------------------------------------------------------------------------
     def _module(self, pl_module: pl.LightningModule) -> nn.Module:
@@ -112,7 +120,33 @@ class QuantizationMonitor(pl.Callback):
 
     # --- Lightning hooks ----------------------------------------------------------------------
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._snapshot_amax(self._module(pl_module))
+        module = self._module(pl_module)
+        self._snapshot_amax(module)
+        if self.check_finite_every_step:
+            self._install_finite_hooks(module)
+
+    def _install_finite_hooks(self, module: nn.Module) -> None:
+        """A pre-hook on every enabled input quantizer: counts NaN/Inf in what it is about to clip."""
+        for h in self._finite_hooks:
+            h.remove()
+        self._finite_hooks = []
+        for name, m in quantized_layers(module).items():
+            iq = getattr(m, "input_quantizer", None)
+            if iq is None or not iq.is_enabled:
+                continue
+
+            def pre_hook(q, args, _name=name):
+                x = args[0] if args else None
+                if isinstance(x, torch.Tensor) and x.is_floating_point() and not bool(torch.isfinite(x).all()):
+                    self._nonfinite[_name] = self._nonfinite.get(_name, 0) + int((~torch.isfinite(x)).sum())
+
+            self._finite_hooks.append(iq.register_forward_pre_hook(pre_hook))
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for h in self._finite_hooks:
+            h.remove()
+        self._finite_hooks = []
+        self._remove_hooks()
 
     def _snapshot_amax(self, module: nn.Module) -> None:
         for name, m in quantized_layers(module).items():
@@ -146,6 +180,11 @@ class QuantizationMonitor(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         step = trainer.global_step - 1  # the step that just ran
+        if self._nonfinite:
+            # the first layers (in forward order) whose inputs carried NaN/Inf into a quantizer this step
+            for layer, count in self._nonfinite.items():
+                self._find(trainer, step, layer, "nonfinite", "input_nonfinite", float(count), 0.0)
+            self._nonfinite = {}
         if isinstance(loss, torch.Tensor):
             lv = float(loss.detach())
             th = self.thresholds

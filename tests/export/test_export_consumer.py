@@ -8,11 +8,10 @@ import copy
 
 import pytest
 import torch
-from test_export import _qat_model
 
 from nemo_fp4qat.export import ExportConfig, export_checkpoint, to_compressed_tensors
 
-from tiny_models import VOCAB
+from tiny_models import VOCAB, calibrated_tiny_llama
 
 pytest.importorskip("compressed_tensors")
 
@@ -20,7 +19,7 @@ pytest.importorskip("compressed_tensors")
 def test_compressed_tensors_loads_our_nvfp4_export_with_matching_logits(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    model = _qat_model("nvfp4", seed=1)
+    model = calibrated_tiny_llama("nvfp4", seed=1)
     out = export_checkpoint(model, tmp_path / "export", ExportConfig(kind="hf"))
     ct_dir = to_compressed_tensors(out, tmp_path / "ct", activations=False)
     from transformers.utils.quantization_config import CompressedTensorsConfig
@@ -57,7 +56,7 @@ def test_compressed_tensors_w4a4_scheme_loads_with_exact_weights(tmp_path):
     from transformers import AutoModelForCausalLM
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
-    model = _qat_model("nvfp4", seed=2)
+    model = calibrated_tiny_llama("nvfp4", seed=2)
     out = export_checkpoint(model, tmp_path / "export", ExportConfig(kind="hf"))
     ct_dir = to_compressed_tensors(out, tmp_path / "ct")  # NVFP4 weights and activations declared
     consumer = AutoModelForCausalLM.from_pretrained(

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from nemo_fp4qat import LayerPolicy, PolicyRule
 from nemo_fp4qat.numerics.formats import get_format
 
+from paths import CONF
 from tiny_models import MegatronStyleGPT, tiny_llama
-
-CONF = Path(__file__).resolve().parent.parent / "conf"
 
 
 def _fmt(table, module):

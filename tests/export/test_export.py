@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from nemo_fp4qat import LayerPolicy, QATController
+from nemo_fp4qat import LayerPolicy
 from nemo_fp4qat.export import (
     MANIFEST_NAME,
     ExportConfig,
@@ -26,32 +26,10 @@ from nemo_fp4qat.export import (
     validate_export,
 )
 from nemo_fp4qat.qat.modelopt_compat import uses_list_config
-from nemo_fp4qat.qat.policy import POLICY_PRESETS
 from nemo_fp4qat.qat.w4a8_scaling import is_w4a8
 
 from reference_numerics import nvfp4_ref
-from tiny_models import VOCAB, tiny_llama
-
-FULL = {"patterns": ["*lm_head*", "*embed*", "*norm*"], "weight": "bf16", "group": "full", "optional": True}
-
-
-def _qat_model(policy, hidden=128, seed=0, kv_cache=None):
-    model = tiny_llama(seed=seed, hidden=hidden)
-    if isinstance(policy, str) and policy not in POLICY_PRESETS:
-        policy = LayerPolicy(rules=[FULL], default=policy, kv_cache=kv_cache)
-    elif kv_cache:
-        policy = LayerPolicy.preset(policy)
-        policy.kv_cache = kv_cache
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # move the weights off their initialisation: not a freshly built model
-        for p in model.parameters():
-            p.add_(0.01 * torch.randn(p.shape, generator=g))
-    ctl = QATController(policy=policy, schedule="direct", calibration=4)
-    ctl.prepare(model)
-    ctl.calibrate(model, [torch.randint(0, VOCAB, (2, 16), generator=g) for _ in range(4)])
-    ctl.step(model, 0)
-    return model
-
+from tiny_models import FULL, VOCAB, calibrated_tiny_llama, tiny_llama
 
 W4A8_EXPORTER = pytest.mark.skipif(not uses_list_config(), reason="modelopt 0.37's W4A8 export is refused up front")
 W4A16_NVFP4 = LayerPolicy(rules=[FULL, {"patterns": ["*_proj"], "weight": "nvfp4", "input": None}], default=None)
@@ -62,7 +40,7 @@ EXPECTED_ALGO = {"nvfp4": "NVFP4", "fp8": "FP8", "int8_sq": "W8A8_SQ_PER_CHANNEL
 @pytest.mark.parametrize("kind", ["hf", "trtllm"])
 @pytest.mark.parametrize("fmt", list(EXPECTED_ALGO))
 def test_export_each_format_validates_against_the_trained_model(tmp_path, fmt, kind):
-    model = _qat_model(fmt)
+    model = calibrated_tiny_llama(fmt)
     if fmt == "int8_wo" and not uses_list_config():  # modelopt 0.37 mislabels weight-only INT8: refused up front
         with pytest.raises(ExportRefused, match="W8A8_SQ_PER_CHANNEL without input scales"):
             export_checkpoint(model, tmp_path / "ckpt", ExportConfig(kind=kind))
@@ -94,7 +72,7 @@ def test_export_each_format_validates_against_the_trained_model(tmp_path, fmt, k
 
 def test_w4a8_layers_train_in_the_numerics_trtllm_deploys(tmp_path):
     # TRT-LLM's W4A8_NVFP4_FP8 kernel: per-tensor weight scale max|w| / 448 (block scales <= 448 / 6)
-    model = _qat_model("nvfp4_w4a8")
+    model = calibrated_tiny_llama("nvfp4_w4a8")
     lin = model.model.layers[0].mlp.down_proj
     w = lin.weight.detach()
     assert float(lin.weight_quantizer.amax) == pytest.approx(6 * float(w.abs().max()), rel=1e-6)
@@ -131,7 +109,7 @@ def test_w4a8_export_without_the_amax_conversion_is_not_published(tmp_path, monk
     # the training amax, its block scales round differently; the validator must refuse that checkpoint
     import nemo_fp4qat.export.exporters as exporters
 
-    model = _qat_model("nvfp4_w4a8")
+    model = calibrated_tiny_llama("nvfp4_w4a8")
     monkeypatch.setattr(exporters, "w4a8_export_amax", lambda m: contextlib.nullcontext())
     with pytest.raises(ExportValidationError, match="FP4 codes differ from the trained"):
         export_checkpoint(model, tmp_path / "ckpt", ExportConfig(kind="hf"))
@@ -142,7 +120,7 @@ def test_w4a8_export_without_the_amax_conversion_is_not_published(tmp_path, monk
 def test_w4a8_block_scales_that_overflow_the_kernel_are_refused(tmp_path):
     # trained without the 6 x amax convention (modelopt's own W4A8 calibration): codes match the export,
     # but block scales up to 448 overflow the kernel's FP8 weight dequantization (code 6 x 448)
-    model = _qat_model("nvfp4_w4a8")
+    model = calibrated_tiny_llama("nvfp4_w4a8")
     with torch.no_grad():
         for m in model.modules():
             if is_w4a8(m):
@@ -153,7 +131,7 @@ def test_w4a8_block_scales_that_overflow_the_kernel_are_refused(tmp_path):
 
 
 def test_nvfp4_packed_layout_and_scale_grid(tmp_path):
-    model = _qat_model("nvfp4")
+    model = calibrated_tiny_llama("nvfp4")
     out = export_checkpoint(model, tmp_path / "ckpt", ExportConfig(kind="hf"))
     t = load_file(str(out / "model.safetensors"))
     w = model.model.layers[0].mlp.down_proj.weight
@@ -166,7 +144,7 @@ def test_nvfp4_packed_layout_and_scale_grid(tmp_path):
 
 
 def test_trtllm_tensor_parallel_2_splits_and_merges_back(tmp_path):
-    model = _qat_model("nvfp4")
+    model = calibrated_tiny_llama("nvfp4")
     out = export_checkpoint(model, tmp_path / "tp2", ExportConfig(kind="trtllm", tensor_parallel=2))
     assert (out / "rank0.safetensors").is_file() and (out / "rank1.safetensors").is_file()
     assert json.loads((out / "config.json").read_text())["mapping"]["tp_size"] == 2
@@ -179,7 +157,7 @@ def test_trtllm_tensor_parallel_2_splits_and_merges_back(tmp_path):
 
 
 def test_fp8_kv_cache_is_exported(tmp_path):
-    model = _qat_model("trtllm_mixed", kv_cache="fp8")
+    model = calibrated_tiny_llama("trtllm_mixed", kv_cache="fp8")
     for kind in ("hf", "trtllm"):
         out = export_checkpoint(model, tmp_path / kind, ExportConfig(kind=kind))
         rep = validate_export(out, model=model)
@@ -189,7 +167,7 @@ def test_fp8_kv_cache_is_exported(tmp_path):
 
 
 def test_export_does_not_change_the_trained_model(tmp_path):
-    model = _qat_model("nvfp4")
+    model = calibrated_tiny_llama("nvfp4")
     x = torch.randint(0, VOCAB, (2, 12))
     with torch.no_grad():
         before = model(x).logits
@@ -209,7 +187,7 @@ def test_export_does_not_change_the_trained_model(tmp_path):
     ],
 )
 def test_refused_exports_write_nothing(tmp_path, policy, hidden, runtime, needle):
-    model = _qat_model(policy, hidden=hidden)
+    model = calibrated_tiny_llama(policy, hidden=hidden)
     with pytest.raises(ExportRefused) as e:
         export_checkpoint(model, tmp_path / "ckpt", ExportConfig(kind="hf", runtime=runtime))
     assert needle.lower() in str(e.value).lower() and "model.layers.0." in str(e.value)
@@ -217,7 +195,7 @@ def test_refused_exports_write_nothing(tmp_path, policy, hidden, runtime, needle
 
 
 def test_interrupted_export_leaves_no_directory_and_keeps_the_old_one(tmp_path):
-    model = _qat_model("nvfp4")
+    model = calibrated_tiny_llama("nvfp4")
     out = export_checkpoint(model, tmp_path / "ckpt", ExportConfig(kind="hf"))
     old = (out / MANIFEST_NAME).read_text()
 
@@ -238,7 +216,7 @@ def test_interrupted_export_leaves_no_directory_and_keeps_the_old_one(tmp_path):
 # --- corrupted exports ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def nvfp4_export(tmp_path_factory):
-    model = _qat_model("nvfp4", seed=3)
+    model = calibrated_tiny_llama("nvfp4", seed=3)
     out = export_checkpoint(model, tmp_path_factory.mktemp("x") / "ckpt", ExportConfig(kind="hf"))
     return model, out
 
@@ -325,7 +303,7 @@ def test_same_size_change_is_caught_by_the_manifest_hash(tmp_path, nvfp4_export)
 
 @pytest.fixture(scope="module")
 def fp8_export(tmp_path_factory):
-    model = _qat_model("fp8", seed=4)
+    model = calibrated_tiny_llama("fp8", seed=4)
     return model, export_checkpoint(model, tmp_path_factory.mktemp("x") / "ckpt", ExportConfig(kind="hf"))
 
 

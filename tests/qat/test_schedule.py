@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from nemo_fp4qat import PrecisionSchedule
 from nemo_fp4qat.numerics.formats import get_format
 from nemo_fp4qat.qat.schedule import effective_format
 
-CONF = Path(__file__).resolve().parent.parent / "conf"
+from paths import CONF
 
 
 def _s(*stages, **kw):
@@ -91,7 +89,7 @@ def test_yaml_schedules(tmp_path):
     assert PrecisionSchedule.resolve_spec(str(CONF / "schedule" / "direct.yaml")).stages[0].format == "target"
 
 
-@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[1] / "conf" / "schedule").glob("*.yaml")),
+@pytest.mark.parametrize("path", sorted((CONF / "schedule").glob("*.yaml")),
                          ids=lambda p: p.stem)  # fmt: skip
 def test_each_conf_schedule_file_is_its_preset(path):
     """A user who switches from ``schedule="<name>"`` to ``conf/schedule/<name>.yaml`` gets the same run."""

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import socket
-import threading
 import time
 
 import pytest
@@ -14,13 +11,13 @@ import torch
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 import httpx
-import uvicorn
 
 from nemo_fp4qat.export import ExportConfig, export_checkpoint
 from nemo_fp4qat.qat.modelopt_compat import uses_list_config
-from nemo_fp4qat.serve import PyTorchBackend, ServeSettings, create_app
+from nemo_fp4qat.serve import PyTorchBackend, ServeSettings
 
-from tiny_models import VOCAB
+from serving import running_server
+from tiny_models import VOCAB, calibrated_tiny_llama
 
 KEY = "s3cret-token"
 
@@ -41,38 +38,17 @@ def _char_tokenizer():
 
 @pytest.fixture(scope="module")
 def export_dir(tmp_path_factory):
-    from test_export import _qat_model
 
-    model = _qat_model("trtllm_mixed", seed=5)
+    model = calibrated_tiny_llama("trtllm_mixed", seed=5)
     return export_checkpoint(model, tmp_path_factory.mktemp("srv") / "export", ExportConfig(kind="hf"),
                              tokenizer=_char_tokenizer())  # fmt: skip
-
-
-@contextlib.contextmanager
-def _running(backend, settings):
-    """A real uvicorn server for ``create_app(backend, settings)`` on a free port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(
-        uvicorn.Config(create_app(backend, settings), host="127.0.0.1", port=port, log_level="warning")
-    )
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    while not srv.started:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        srv.should_exit = True
-        th.join(10)
 
 
 @pytest.fixture(scope="module")
 def server(export_dir):
     backend = PyTorchBackend(export_dir)
     settings = ServeSettings(max_prompt_tokens=64, max_tokens=32, max_batch_size=4, timeout_s=20, api_key=KEY)
-    with _running(backend, settings) as url:
+    with running_server(backend, settings) as url:
         yield url, backend
 
 
@@ -157,9 +133,8 @@ def test_concurrent_load_batches_without_errors(server):
 def test_w4a8_export_is_served_with_the_trained_numerics(tmp_path):
     # NVFP4 weights from their codes and scales, FP8 inputs from the exported input_scale: the logits of
     # the trained fake-quantized model (float32 throughout)
-    from test_export import _qat_model
 
-    model = _qat_model("nvfp4_w4a8", seed=5)
+    model = calibrated_tiny_llama("nvfp4_w4a8", seed=5)
     out = export_checkpoint(model, tmp_path / "w4a8", ExportConfig(kind="hf"), tokenizer=_char_tokenizer())
     backend = PyTorchBackend(out)
     assert backend.algos["model.layers.0.mlp.down_proj"] == "W4A8_NVFP4_FP8"
@@ -186,7 +161,7 @@ def test_a_request_past_the_timeout_gets_504_and_its_generation_stops(export_dir
 
     backend.generate_rows = slow_generate_rows
     settings = ServeSettings(max_prompt_tokens=64, max_tokens=32, max_batch_size=4, timeout_s=0.3)
-    with _running(backend, settings) as url:
+    with running_server(backend, settings) as url:
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=30)
         assert r.status_code == 504, r.text
         assert r.json()["error"]["type"] == "timeout" and "0.3 s" in r.json()["error"]["message"]
@@ -195,3 +170,24 @@ def test_a_request_past_the_timeout_gets_504_and_its_generation_stops(export_dir
             time.sleep(0.05)
         assert stopped, "the timed-out generation was not told to stop"
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+
+
+def test_an_unquantized_model_directory_is_served_as_it_is(tmp_path):
+    """The baseline beside an export (the load benchmark serves both): a plain Hugging Face directory
+    loads unchanged, and the decode loop's greedy text equals Hugging Face `generate`."""
+    from tiny_models import tiny_llama
+
+    model = tiny_llama(seed=3).eval()
+    tok = _char_tokenizer()
+    model.save_pretrained(tmp_path / "plain")
+    tok.save_pretrained(tmp_path / "plain")
+    backend = PyTorchBackend(tmp_path / "plain")
+    assert backend.algos == {}
+    for name, p in model.state_dict().items():
+        assert torch.equal(backend.model.state_dict()[name], p), name
+    enc = tok("hello", return_tensors="pt", return_token_type_ids=False)
+    with torch.no_grad():
+        ref = model.generate(**enc, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert backend.generate(["hello"], 6)[0].text == tok.decode(
+        ref[0, enc.input_ids.shape[1] :], skip_special_tokens=True
+    )

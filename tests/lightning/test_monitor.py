@@ -159,3 +159,48 @@ def test_bad_monitor_arguments():
         QuantizationMonitor(action="explode")
     with pytest.raises(ValueError, match="every_n_steps"):
         QuantizationMonitor(every_n_steps=0)
+
+
+class InjectInf(pl.Callback):
+    """At one step, one element of LAYER's input becomes +Inf (before its input quantizer sees it)."""
+
+    def __init__(self, step: int):
+        self.step, self.handle = step, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        layer = dict(pl_module.named_modules())[LAYER]
+        if trainer.global_step == self.step:
+
+            def inject(module, args):
+                x = args[0].clone()
+                x.view(-1)[7] = float("inf")
+                return (x, *args[1:])
+
+            self.handle = layer.register_forward_pre_hook(inject)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
+def test_an_inf_clipped_by_the_fake_quant_is_still_reported_with_layer_and_step(tmp_path):
+    """NVFP4 clips the Inf to a finite value (as modelopt's kernels do), so the loss stays finite; the
+    monitor still names the layer and the step, on a step where it does not measure (every_n_steps=2)."""
+    lit = LitLM(MegatronStyleGPT(seed=5), lr=1e-4)
+    qat = FP4QATCallback(policy="fp_embeddings", schedule="direct", calibration=16)
+    mon = QuantizationMonitor(every_n_steps=2, out_dir=str(tmp_path))
+    trainer = pl.Trainer(max_steps=5, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[qat, mon, InjectInf(step=3)])  # fmt: skip
+    trainer.fit(lit, loader())
+    assert all(np.isfinite(lit.losses)), "the fake quant did not clip: this test no longer shows the hidden case"
+    hits = [f for f in mon.findings if f.problem == "nonfinite"]
+    assert [(f.layer, f.step, f.metric, f.value) for f in hits] == [(LAYER, 3, "input_nonfinite", 1.0)]
+    off = QuantizationMonitor(every_n_steps=2, out_dir=str(tmp_path / "off"), check_finite_every_step=False)
+    lit2 = LitLM(MegatronStyleGPT(seed=5), lr=1e-4)
+    pl.Trainer(max_steps=5, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+               enable_model_summary=False,
+               callbacks=[FP4QATCallback(policy="fp_embeddings", calibration=16), off, InjectInf(step=3)],
+               ).fit(lit2, loader())  # fmt: skip
+    assert not [f for f in off.findings if f.problem == "nonfinite"], "without the check, step 3 passes unseen"

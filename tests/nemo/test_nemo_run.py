@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from megatron_utils import free_port
+from paths import ROOT
 from test_documented_commands import documented
 
 pytestmark = pytest.mark.nemo
-ROOT = Path(__file__).resolve().parents[1]
 
 
 NEMO_COMMANDS = sorted({c.replace("/opt/nemo-fp4qat/", "") for _, c in documented("nemo llm") if "..." not in c})

@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 
 from megatron_utils import free_port
+from paths import TESTS
 
 pytestmark = pytest.mark.nemo
 
 
 def _run(tmp_path, name, *args, steps=4, devices=1, tp=1, export_dir=None):
     out = tmp_path / f"{name}.json"
-    worker = Path(__file__).parent / "nemo_trainer_worker.py"
+    worker = TESTS / "nemo_trainer_worker.py"
     port = free_port()  # a fresh port: this pytest process may already hold MASTER_PORT
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "STEPS": str(steps),
            "DEVICES": str(devices), "TP": str(tp)}  # fmt: skip

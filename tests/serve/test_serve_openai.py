@@ -12,12 +12,13 @@ pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 import httpx
 import openai
-from test_serve import _running
 
 from nemo_fp4qat import QATController
 from nemo_fp4qat.demo.model import load_corpus, load_smollm2
 from nemo_fp4qat.export import ExportConfig, export_checkpoint
 from nemo_fp4qat.serve import PyTorchBackend, ServeSettings
+
+from serving import running_server
 
 KEY = "k-123"
 M = "export"  # the served model id: the export directory's name
@@ -39,7 +40,7 @@ def trained_and_export(tmp_path_factory):
 def served(trained_and_export):
     backend = PyTorchBackend(trained_and_export[2])
     settings = ServeSettings(max_prompt_tokens=512, max_tokens=32, max_batch_size=8, timeout_s=120, api_key=KEY)
-    with _running(backend, settings) as url:
+    with running_server(backend, settings) as url:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0), url, backend
 
 
@@ -129,7 +130,7 @@ def test_errors_the_client_sees(served, trained_and_export):
         )  # unknown to this server: refused, not ignored
     no_template = PyTorchBackend(trained_and_export[2])
     no_template.tokenizer.chat_template = None
-    with _running(no_template, ServeSettings()) as other:
+    with running_server(no_template, ServeSettings()) as other:
         r = httpx.post(f"{other}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
         assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -13,9 +12,10 @@ from nemo_fp4qat import FP4QATCallback, FP4QATMixin
 from nemo_fp4qat.numerics.formats import get_format
 from nemo_fp4qat.qat.modelopt_compat import quantizer_format_signature
 
+from paths import CONF
+from reference_numerics import nvfp4_ref, round_ref
 from tiny_models import LitLM, MegatronStyleGPT, loader, tiny_llama
 
-CONF = Path(__file__).resolve().parent.parent / "conf"
 SCHED = {
     "stages": [
         {"start": 0, "format": "bf16"},
@@ -96,28 +96,40 @@ def test_formats_follow_the_schedule_and_end_like_a_fresh_fp4_quantization():
     assert sig(lit) == sig(fresh)
 
 
+def _fp8_ref(x: torch.Tensor, amax: float) -> torch.Tensor:
+    """Per-tensor FP8 (E4M3) fake quant from the float64 rounding reference (scale amax / 448)."""
+    scale = np.float32(amax) / np.float32(448.0)
+    v = x.detach().numpy().astype(np.float32) / scale
+    q = np.sign(v) * round_ref(np.abs(v).astype(np.float64), 4, 3)
+    return torch.from_numpy((q.astype(np.float32) * scale).astype(np.float32))
+
+
 def test_ramp_blends_old_and_new_format():
+    """During a 3-step ramp from FP8 to NVFP4 the weight quantizer outputs (1 - a) * FP8(w) + a * NVFP4(w)
+    with a = 1/4, 2/4, 3/4, both formats at the amax recalibrated at the switch; both sides come from the
+    float64 references, not from the controller's objects."""
     lit = LitLM(MegatronStyleGPT())
     sched = {"stages": [{"start": 0, "format": "fp8"}, {"start": 2, "format": "target"}], "ramp_steps": 3}
     cb = FP4QATCallback(policy="fp_embeddings", schedule=sched, calibration=16)
-    alphas = []
+    alphas, checked = [], []
+    q = "net.decoder.layers.0.mlp.linear_fc1.weight_quantizer"
 
     class AlphaProbe(pl.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            q = "net.decoder.layers.0.mlp.linear_fc1.weight_quantizer"
+            mods = dict(pl_module.named_modules())
             alphas.append(cb.controller.ramp_alpha(q) if q in cb.controller.ramps else None)
-            if q in cb.controller.ramps:
-                mod = dict(pl_module.named_modules())[q]
-                x = dict(pl_module.named_modules())["net.decoder.layers.0.mlp.linear_fc1"].weight.detach()
-                a = cb.controller.ramp_alpha(q)
-                new = mod(x)  # hook applied: alpha * nvfp4 + (1 - alpha) * fp8
-                old_q = cb.controller._old_quantizers[q]
-                from nemo_fp4qat.numerics.fake_quant import fake_quant_nvfp4
-
-                expect = a * fake_quant_nvfp4(x, mod.amax) + (1 - a) * old_q(x)
-                assert torch.allclose(new, expect, atol=1e-6)
+            if 2 <= trainer.global_step <= 4:
+                a = (trainer.global_step - 2 + 1) / 4
+                x = mods["net.decoder.layers.0.mlp.linear_fc1"].weight.detach()
+                new = mods[q](x)
+                amax = float(mods[q].amax)
+                nv = torch.from_numpy(nvfp4_ref(x.numpy(), amax, 16))
+                expect = a * nv + (1 - a) * _fp8_ref(x, amax)
+                assert torch.allclose(new, expect, atol=1e-6), f"step {trainer.global_step}"
+                checked.append(trainer.global_step)
 
     _trainer([cb, AlphaProbe()], 7).fit(lit, loader())
+    assert checked == [2, 3, 4]
     assert alphas == [None, None, 0.25, 0.5, 0.75, None, None]
     assert not cb.controller.ramps
 
