@@ -117,6 +117,8 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, cfg: DemoConfig | 
     from rich.console import Console
 
     warnings.filterwarnings("ignore", message="Calibrating on")
+    # Lightning 2.4 on torch 2.13: a deprecation inside Lightning itself, printed once per fit
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
     cfg = cfg or (DemoConfig.quick() if quick else DemoConfig())
     for k, v in overrides.items():
         if v is not None:

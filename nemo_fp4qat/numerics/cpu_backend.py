@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .fake_quant import fake_quant_block, fake_quant_fp8
+from .fake_quant import CPU_BLOCK_FORMATS, fake_quant_block, fake_quant_fp8
 
 __all__ = [
     "BACKEND_NAME",
@@ -57,9 +57,14 @@ def _cpu_dynamic_block_quantize_op(
     scale_num_bits: int,
     scale_exponent_bits: int,
 ) -> torch.Tensor:
-    if inputs.device.type != "cpu" or exponent_bits == 0:
-        # CUDA (and integer MX formats): modelopt's own kernels, untouched.
+    if inputs.device.type != "cpu":  # CUDA: modelopt's own kernels, untouched
         return _ORIGINAL_OP(inputs, block_size, amax, num_bits, exponent_bits, scale_num_bits, scale_exponent_bits)
+    if exponent_bits == 0:
+        # integer MX elements (MXINT8): modelopt has only a CUDA kernel, which would fail obscurely on a CPU tensor
+        raise NotImplementedError(
+            f"MXINT{num_bits} has no CPU fake quant (modelopt implements it in CUDA only). On a CPU use "
+            f"one of: {CPU_BLOCK_FORMATS}; or run on a GPU."
+        )
     element, scale = _decode_bits(num_bits, exponent_bits, scale_num_bits, scale_exponent_bits)
     with torch.no_grad():
         return fake_quant_block(inputs.detach(), block_size, amax, element, scale)

@@ -39,6 +39,7 @@ import torch
 from . import native_kernels
 
 __all__ = [
+    "CPU_BLOCK_FORMATS",
     "FLOAT_FORMAT_MAX",
     "fake_quant_block",
     "fake_quant_fp8",
@@ -192,7 +193,10 @@ def _e8m0_unscale_exponent(block_amax: torch.Tensor, elem_max: float) -> torch.T
 def fake_quant_mx(x: torch.Tensor, element: tuple[int, int], block_size: int = 32) -> torch.Tensor:
     """OCP MX quantize->dequantize (E8M0 power-of-two scale per block) as modelopt's CUDA extension."""
     if element not in FLOAT_FORMAT_MAX:
-        raise ValueError(f"Unsupported MX element format E{element[0]}M{element[1]}")
+        raise ValueError(
+            f"MX element format E{element[0]}M{element[1]} has no CPU fake quant; on a CPU use one of: "
+            f"{CPU_BLOCK_FORMATS}; or run on a GPU (modelopt's CUDA kernels)."
+        )
     if _native_ok(x):
         y = native_kernels.native_mx(
             x.detach().float().contiguous(), element[1], _EMIN[element], FLOAT_FORMAT_MAX[element], block_size
@@ -211,6 +215,10 @@ def fake_quant_mx(x: torch.Tensor, element: tuple[int, int], block_size: int = 3
     return _unblocked(y, x, n)
 
 
+# The block formats the CPU kernels cover (what error messages offer instead of an unsupported one).
+CPU_BLOCK_FORMATS = "NVFP4 (E2M1, E4M3 scales), MXFP4 (E2M1), MXFP6 (E2M3, E3M2), MXFP8 (E4M3)"
+
+
 def fake_quant_block(
     x: torch.Tensor,
     block_size: int,
@@ -225,8 +233,7 @@ def fake_quant_block(
         return fake_quant_mx(x, element, block_size)
     raise NotImplementedError(
         f"No CPU fake quant for elements E{element[0]}M{element[1]} with scale "
-        f"E{scale_bits[0]}M{scale_bits[1]}; supported: NVFP4 (E2M1/E4M3) and MX (E2M1, E2M3, E3M2, "
-        "E4M3 with E8M0)."
+        f"E{scale_bits[0]}M{scale_bits[1]}; on a CPU use one of: {CPU_BLOCK_FORMATS}; or run on a GPU."
     )
 
 

@@ -153,3 +153,15 @@ def _fp8_weight_only_cfg():
     if uses_list_config():
         return [{"quantizer_name": "*", "enable": False}, {"quantizer_name": "*weight_quantizer", "cfg": fp8}]
     return {"default": {"enable": False}, "*weight_quantizer": fp8}
+
+
+@pytest.mark.parametrize(("num_bits", "words"), [((5, 2), ["E5M2", "MXFP8 (E4M3)"]), (8, ["MXINT8", "GPU"])])
+def test_block_formats_without_a_cpu_kernel_are_refused_naming_the_covered_ones(num_bits, words):
+    """MXFP8 with E5M2 elements and MXINT8 (modelopt's MX family, CUDA-only kernels) through modelopt's
+    public op on a CPU tensor: an error that names the format and the ones the CPU backend covers."""
+    from modelopt.torch.quantization import tensor_quant
+
+    with pytest.raises((ValueError, NotImplementedError)) as e:
+        tensor_quant.dynamic_block_quant(torch.randn(4, 32), 32, None, None, num_bits, (8, 0), None, None, False)
+    assert all(w in str(e.value) for w in words), str(e.value)
+    assert "NVFP4" in str(e.value) and "MXFP4" in str(e.value)
