@@ -8,7 +8,7 @@ NEMO := .venv-nemo
 BENCH_SITE := .bench-site
 PIP_QUIET := -q --disable-pip-version-check
 
-.PHONY: demo test test-core test-nemo lint env bench bench-accuracy mutate clean
+.PHONY: demo test test-core test-nemo lint env bench bench-accuracy mutate reliability clean
 
 env: $(CORE)/.stamp $(NEMO)/.stamp
 
@@ -39,9 +39,10 @@ lint: $(CORE)/.stamp
 test-core: $(CORE)/.stamp
 	$(CORE)/bin/python -m pytest -q -m "not nemo" tests
 
-# tests/demo runs `make demo`'s pipeline, which only ever runs in the core environment
+# tests/demo runs `make demo`'s pipeline, which only ever runs in the core environment; the kill/resume subset
+# (a dozen training processes) runs once, in core (make reliability runs every point)
 test-nemo: $(NEMO)/.stamp
-	NEMO_FP4QAT_REQUIRE_NEMO=1 $(NEMO)/bin/python -m pytest -q tests --ignore=tests/demo
+	NEMO_FP4QAT_REQUIRE_NEMO=1 $(NEMO)/bin/python -m pytest -q tests --ignore=tests/demo --ignore=tests/lightning/test_kill_resume.py
 
 test: lint test-core test-nemo
 
@@ -69,6 +70,11 @@ $(CORE)/.mutmut-stamp: requirements/mutate.txt $(CORE)/.stamp
 
 mutate: $(CORE)/.mutmut-stamp
 	$(CORE)/bin/python benchmarks/run_mutation.py
+
+# Reliability sweep (#19): every kill point of the kill/resume harness (tests/kill_resume.py; a subset runs in
+# make test) plus the bad-config, non-finite and server-fault counts; writes benchmarks/results/reliability.*
+reliability: $(CORE)/.stamp
+	$(CORE)/bin/python benchmarks/bench_reliability.py
 
 clean:
 	rm -rf $(CORE) $(NEMO) $(BENCH_SITE) runs .pytest_cache

@@ -35,6 +35,7 @@ def main(report_path: str | None = None) -> dict:
         wall = report["wall_time_s"]
     v, rec, cfg = report["variants"], report["recovery"], report["config"]
     gap = report.get("gap_to_bf16")
+    mon = report.get("monitor_measure_s")
     method = report.get("qat_method", f"plain QAT ({cfg.get('schedule')})")
     md = "\n".join([
         "## Demo (`make demo`): wall time, gap to BF16 and recovery",
@@ -54,6 +55,8 @@ def main(report_path: str | None = None) -> dict:
           if gap is not None else []),
         f"- recovery: **{rec:.3f}** (at least 0.4: {'met' if rec >= 0.4 else 'NOT met'}; target 0.64: "
         f"{'met' if rec >= 0.64 else 'NOT met'})",
+        *([f"- monitor measurement at each switch and at the end (all {len(mon)}): max **{max(mon):.1f} s** "
+           f"(target < 5 s: {'met' if max(mon) < 5 else 'NOT met'})"] if mon else []),
         f"- wall time: **{wall:.0f} s** (budget 600 s: {'met' if wall <= 600 else 'NOT met'}; includes the one-time "
         "GGUF conversion only on a first run)",
         "",

@@ -163,8 +163,15 @@ def _serve(args: argparse.Namespace) -> int:
     from .serve import ServeSettings, create_app, load_backend
 
     key = Path(args.api_key_file).read_text().strip() if args.api_key_file else None
-    settings = ServeSettings(max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
-                             max_batch_size=args.max_batch_size, timeout_s=args.timeout, api_key=key)  # fmt: skip
+    settings = ServeSettings(
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_tokens=args.max_tokens,
+        max_batch_size=args.max_batch_size,
+        timeout_s=args.timeout,
+        api_key=key,
+        max_body_bytes=args.max_body_bytes,
+        max_queued_requests=args.max_queued_requests,
+    )
     app = create_app(load_backend(args.export_dir, args.backend), settings)
     uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=int(args.timeout) + 5)
     return 0
@@ -238,6 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-tokens", type=int, default=256, help="upper limit for a request's max_tokens")
     s.add_argument("--max-batch-size", type=int, default=8)
     s.add_argument("--timeout", type=float, default=60.0, help="seconds before a request is cancelled (504)")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    s.add_argument("--max-queued-requests", type=int, default=64, help="beyond this many waiting: 503 + Retry-After")
     s.set_defaults(fn=_serve)
     return p
 

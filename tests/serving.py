@@ -30,3 +30,18 @@ def running_server(backend, settings):
     finally:
         srv.should_exit = True
         th.join(10)
+
+
+def char_tokenizer():
+    """A character-level tokenizer over the tiny models' vocabulary (one token per printable character)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tiny_models import VOCAB
+
+    chars = [chr(c) for c in range(32, 32 + VOCAB - 2)]
+    vocab = {"<unk>": 0, "</s>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>", pad_token="</s>")

@@ -203,7 +203,7 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float) -> int:
         model = copy.deepcopy(ft)
         cb = FP4QATCallback(policy=cfg.policy, schedule="direct", calibration=cfg.calib_samples,
                             calibration_data=calib, forward_fn=lambda m, b: m.net(b), distillation="qad")  # fmt: skip
-        # one switch (step 0) and the end: each full-model analysis costs about 20 s on 2 cores
+        # one switch (step 0) and the end (each full-model analysis: report.json's monitor_measure_s)
         mon = QuantizationMonitor(every_n_steps=qad_steps, out_dir=str(out / "quant_quality"))
         return model, _train(model, train, cfg, out, [cb, mon], "qad", lr=cfg.qad_lr, steps=qad_steps), cb, mon
 
@@ -254,6 +254,7 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float) -> int:
             "config": asdict(cfg),
             "wall_time_s": time.time() - t0,
             "monitor_findings": len(monitor.findings),
+            "monitor_measure_s": [round(r["seconds"], 3) for r in monitor.records],
             "qat_in_memory_ppl": in_memory["ppl"],
             "exports": exports,
             "export_runtime": runtime,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -102,6 +103,7 @@ class FP4QATCallback(pl.Callback):
             forward_fn=forward_fn,
         )
         self.export_dir = export_dir
+        self._train_ended = False  # on_train_end ran in this fit (see on_fit_end)
         self.export = self._check_export(export)
         self.calibration_data = calibration_data
         self.module_getter = module_getter
@@ -270,6 +272,7 @@ class FP4QATCallback(pl.Callback):
         ctl = self.controller
         if ctl.table is None:
             return
+        self._train_ended = True
         try:
             final = ctl.formats_at(10**12)  # where the schedule ends: every layer in its target format
         except ValueError:  # fractional schedule with an unknown run length
@@ -283,6 +286,23 @@ class FP4QATCallback(pl.Callback):
             )
         if self.export_dir and trainer.is_global_zero:
             self.export_model(pl_module, self.export_dir)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A run killed while exporting and then resumed is restored from its final checkpoint: Lightning skips
+        # the training loop and on_train_end, but still ends the fit here, so the export it owes happens here
+        # (after the strategy's teardown: on a GPU run the model is back on the CPU by now).
+        trained, self._train_ended = self._train_ended, False
+        if trained or not self.export_dir or not trainer.is_global_zero or self.controller.table is None:
+            return
+        if not (trainer.max_steps and trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps):
+            return
+        from ..export.atomic import read_manifest, recover_interrupted
+
+        recover_interrupted(self.export_dir)
+        if read_manifest(Path(self.export_dir)) is not None:
+            rank_zero_info(f"nemo_fp4qat: the run was already complete and exported to {self.export_dir}")
+            return
+        self.export_model(pl_module, self.export_dir)
 
     def export_model(self, pl_module: pl.LightningModule, out_dir: str) -> Any:
         """Export the quantized module (see ``export_dir``); returns the export directory."""

@@ -32,6 +32,8 @@ the quantization monitor.
 from __future__ import annotations
 
 import contextlib
+import math
+import struct
 from collections.abc import Iterator
 
 import torch
@@ -130,6 +132,14 @@ def _unblocked(y: torch.Tensor, like: torch.Tensor, n: int) -> torch.Tensor:
     return y.reshape(like.shape).to(like.dtype)
 
 
+def _to_f32(v: float) -> float:
+    """``v`` rounded to the nearest float32 (as ``torch.tensor(v, dtype=torch.float32)`` does)."""
+    try:
+        return struct.unpack("f", struct.pack("f", v))[0]
+    except OverflowError:  # beyond float32's range: float32 rounds it to infinity
+        return math.copysign(math.inf, v)
+
+
 def _nan_free_block_amax(xabs: torch.Tensor) -> torch.Tensor:
     # fmaxf / Triton max ignore NaN; torch.amax propagates it, so mask NaN first.
     return torch.nan_to_num(xabs, nan=0.0, posinf=float("inf")).amax(dim=-1, keepdim=True)
@@ -151,6 +161,16 @@ def fake_quant_nvfp4(
         global_scale: the per-tensor scale ``amax / (6 * 448)`` itself (an exported ``input_scale``),
             used as given instead of being recomputed from ``amax`` (a round trip can move it an ulp).
     """
+    if _native_ok(x) and global_scale is None and amax is not None:
+        # The training hot path (a calibrated quantizer, once per quantizer per step): the global scale in
+        # Python floats instead of five 0-d tensor ops, whose dispatch cost more than the kernel on small
+        # layers. Same float32 arithmetic: amax rounded to float32, then a float32 division (a double
+        # quotient of two float32 values rounds to the correctly rounded float32 quotient).
+        a = amax if isinstance(amax, float) else float(amax if amax.numel() == 1 else amax.amax())
+        gs = _to_f32(_to_f32(a) / (6.0 * 448.0))
+        valid = math.isfinite(gs) and gs > 0
+        y = native_kernels.native_nvfp4(x.detach().float().contiguous(), gs, valid, block_size)
+        return y.to(x.dtype)
     if global_scale is not None:
         gs = torch.as_tensor(global_scale, dtype=torch.float32).to(x.device).reshape(())
     elif amax is None:

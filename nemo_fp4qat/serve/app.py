@@ -7,7 +7,9 @@ format, ``data: [DONE]`` last, usage in a final chunk with ``stream_options.incl
 ``logprobs`` / ``top_logprobs``, ``stop``, ``seed``, ``user``; unknown fields are refused. Requests
 are validated by pydantic and by configured limits; every error is a JSON
 ``{"error": {"message", "type", "param"}}`` with a 4xx status (504 when a request exceeds the timeout,
-which also stops its generation between tokens). Queued requests are batched into one decode loop up
+which also stops its generation between tokens; 413 for a body over ``max_body_bytes``; 503 with
+``Retry-After`` when ``max_queued_requests`` are already waiting; 500 for the one request whose generation
+raised, while the requests batched with it are served). Queued requests are batched into one decode loop up
 to ``max_batch_size`` rows, each row with its own sampling parameters; a streaming client that
 disconnects cancels its rows.
 """
@@ -46,6 +48,8 @@ class ServeSettings:
     timeout_s: float = 60.0
     batch_window_s: float = 0.005
     api_key: str | None = None
+    max_body_bytes: int = 1 << 20  # a request body over this gets 413 before it is read whole
+    max_queued_requests: int = 64  # requests waiting for a batch beyond this get 503 + Retry-After
 
 
 class StreamOptions(BaseModel):
@@ -110,6 +114,10 @@ class APIError(Exception):
         self.status, self.message, self.param, self.kind = status, message, param, kind
 
 
+def _backend_error(e: Exception) -> APIError:
+    return APIError(500, f"generation failed: {type(e).__name__}: {e}", kind="server_error")
+
+
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
     return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param}})
 
@@ -127,6 +135,9 @@ class Metrics:
     generate_seconds: float = 0.0
     batches: int = 0
     cancelled: int = 0  # rows stopped early (client gone or timeout)
+    backend_errors: int = 0  # requests whose generation raised (each answered 500, the others served)
+    rejected_overload: int = 0  # 503: the queue was full
+    rejected_body: int = 0  # 413: the body was over max_body_bytes
 
     def text(self) -> str:
         tps = self.completion_tokens / self.generate_seconds if self.generate_seconds else 0.0
@@ -141,6 +152,10 @@ class Metrics:
             "# TYPE fp4qat_batches_total counter", f"fp4qat_batches_total {self.batches}",
             "# TYPE fp4qat_cancelled_rows_total counter", f"fp4qat_cancelled_rows_total {self.cancelled}",
             "# TYPE fp4qat_tokens_per_second gauge", f"fp4qat_tokens_per_second {tps:.3f}",
+            "# TYPE fp4qat_backend_errors_total counter", f"fp4qat_backend_errors_total {self.backend_errors}",
+            "# TYPE fp4qat_rejected_total counter",
+            f'fp4qat_rejected_total{{reason="overload"}} {self.rejected_overload}',
+            f'fp4qat_rejected_total{{reason="body_too_large"}} {self.rejected_body}',
         ]  # fmt: skip
         return "\n".join(lines) + "\n"
 
@@ -209,10 +224,10 @@ class Batcher:
             try:
                 call = functools.partial(self.backend.generate_rows, prompts, params, cancelled, on_step)
                 out = await loop.run_in_executor(None, call)
-            except Exception as e:  # a backend failure answers every request of the batch
-                for j in jobs:
-                    if not j.future.done():
-                        j.future.set_exception(e)
+            except Exception:
+                # One request's failure must not fail the others batched with it: run each alone, so only
+                # the requests that fail by themselves get the error (rare path: a second pass per job).
+                await self._run_alone(jobs)
                 continue
             finally:
                 self.inflight -= 1
@@ -222,6 +237,65 @@ class Batcher:
             for j, a, b in spans:
                 if not j.future.done():
                     j.future.set_result(out[a:b])
+
+    async def _run_alone(self, jobs: list[_Job]) -> None:
+        loop = asyncio.get_running_loop()
+        for j in jobs:
+            call = functools.partial(self.backend.generate_rows, j.prompts, [j.params] * len(j.prompts),
+                                     [j.cancel] * len(j.prompts), j.push)  # fmt: skip
+            try:
+                rows = await loop.run_in_executor(None, call)
+            except Exception as e:
+                self.metrics.backend_errors += 1
+                if not j.future.done():
+                    j.future.set_exception(e)
+                continue
+            if not j.future.done():
+                j.future.set_result(rows)
+
+
+class BodySizeLimit:
+    """ASGI middleware: a request body over ``limit`` bytes gets 413 without being read whole.
+
+    Checked on the declared Content-Length and again while a chunked body streams in. Hand-written
+    because neither Starlette nor FastAPI limits body size (uvicorn only limits header size).
+    """
+
+    def __init__(self, app: Any, limit: int, metrics: Metrics) -> None:
+        self.app, self.limit, self.metrics = app, limit, metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._reject(send)
+        # Read the body first (the app reads it whole anyway to parse JSON), stopping at the limit, then
+        # replay it to the app; after the replay `receive` is the server's again (disconnect detection).
+        messages, seen = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                return await self._reject(send)
+            if not message.get("more_body", False):
+                break
+
+        async def replay() -> dict:
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _reject(self, send: Any) -> None:
+        self.metrics.rejected_body += 1
+        self.metrics.errors[413] = self.metrics.errors.get(413, 0) + 1
+        msg = f"body: request body exceeds max_body_bytes {self.limit}; send a smaller request"
+        response = _error(413, msg, "body")
+        await send({"type": "http.response.start", "status": 413, "headers": response.raw_headers})
+        await send({"type": "http.response.body", "body": response.body})
 
 
 def _completion_logprobs(row: GenerationRow) -> dict[str, Any]:
@@ -265,6 +339,7 @@ def create_app(backend: Any, settings: ServeSettings | None = None) -> FastAPI:
         batcher.task.cancel()
 
     app = FastAPI(title="nemo-fp4qat", lifespan=lifespan)
+    app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes, metrics=metrics)
     app.state.batcher = batcher
     app.state.metrics = metrics
 
@@ -279,7 +354,10 @@ def create_app(backend: Any, settings: ServeSettings | None = None) -> FastAPI:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         metrics.errors[exc.status] = metrics.errors.get(exc.status, 0) + 1
-        return _error(exc.status, exc.message, exc.param, exc.kind)
+        response = _error(exc.status, exc.message, exc.param, exc.kind)
+        if exc.status == 503:
+            response.headers["Retry-After"] = "1"
+        return response
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -291,7 +369,9 @@ def create_app(backend: Any, settings: ServeSettings | None = None) -> FastAPI:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), settings.api_key):
+        # constant time, on bytes: compare_digest refuses non-ASCII str (a header can carry any latin-1 byte)
+        given = token.strip().encode("utf-8", "surrogateescape")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(given, settings.api_key.encode()):
             raise APIError(401, "missing or invalid API key (Authorization: Bearer <key>)", kind="authentication_error")
 
     @app.get("/health")
@@ -328,6 +408,10 @@ def create_app(backend: Any, settings: ServeSettings | None = None) -> FastAPI:
         loop = asyncio.get_running_loop()
         job = _Job([p for p in prompts for _ in range(req.n)], params, loop.create_future(), loop,
                    asyncio.Queue() if req.stream else None)  # fmt: skip
+        if batcher.queue.qsize() >= settings.max_queued_requests:
+            metrics.rejected_overload += 1
+            raise APIError(503, f"server busy: {batcher.queue.qsize()} requests queued (max_queued_requests "
+                           f"{settings.max_queued_requests}); retry shortly", kind="overloaded")  # fmt: skip
         await batcher.queue.put(job)
         return job
 
@@ -337,6 +421,8 @@ def create_app(backend: Any, settings: ServeSettings | None = None) -> FastAPI:
         except asyncio.TimeoutError:
             job.cancel.set()  # generation stops at the next token
             raise APIError(504, f"request exceeded the timeout of {settings.timeout_s:g} s", kind="timeout") from None
+        except Exception as e:  # the backend raised for this request (and only this one: Batcher._run_alone)
+            raise _backend_error(e) from e
 
     def envelope(kind: str, rid: str) -> dict[str, Any]:
         return {"id": rid, "object": kind, "created": int(time.time()), "model": backend.model_id,
@@ -382,7 +468,13 @@ def create_app(backend: Any, settings: ServeSettings | None = None) -> FastAPI:
                     get.cancel()
                     if fut not in finished:
                         continue
-                    rows = fut.result()  # raises the backend's error, if any
+                    try:
+                        rows = fut.result()
+                    except Exception as e:
+                        err = _backend_error(e)
+                        yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.kind}})}\n\n"
+                        done = [True] * len(done)
+                        return
                     snaps = [(r.text, r.finish_reason, list(r.logprobs)) for r in rows]
                 for i, (text, reason, lps) in enumerate(snaps):
                     if done[i]:

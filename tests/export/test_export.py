@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 
 import numpy as np
@@ -211,6 +212,35 @@ def test_interrupted_export_leaves_no_directory_and_keeps_the_old_one(tmp_path):
     assert (out / MANIFEST_NAME).read_text() == old
     with pytest.raises(FileExistsError, match="overwrite"):
         export_checkpoint(model, out, ExportConfig(kind="hf"))
+
+
+def test_what_a_killed_export_left_is_cleaned_and_reported_by_the_next_one(tmp_path, caplog):
+    """SIGKILL runs no cleanup: the next export to the path removes a dead process's partial directory,
+    keeps a live one's, and puts back an export that was moved aside when the kill came mid-replacement."""
+    import subprocess
+    import sys
+
+    from nemo_fp4qat.export.atomic import recover_interrupted
+
+    model = calibrated_tiny_llama("nvfp4")
+    out = export_checkpoint(model, tmp_path / "ckpt", ExportConfig(kind="hf"))
+    manifest = (out / MANIFEST_NAME).read_text()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    (tmp_path / f".ckpt.partial-{dead_pid}-0000").mkdir()
+    (tmp_path / f".ckpt.partial-{dead_pid}-0000" / "model.safetensors").write_bytes(b"torn")
+    live = tmp_path / f".ckpt.partial-{os.getpid()}-1111"
+    live.mkdir()
+    out.rename(tmp_path / ".ckpt.old-2222")  # killed between moving the old export aside and renaming the new
+    with caplog.at_level("WARNING", logger="nemo_fp4qat"):
+        actions = recover_interrupted(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / MANIFEST_NAME).read_text() == manifest
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", live.name])
+    assert len(actions) == 2 and any("restored" in a for a in actions) and str(dead_pid) in caplog.text
+    # an export replacing it later cleans the same way before it starts
+    (tmp_path / ".ckpt.old-3333").mkdir()
+    export_checkpoint(model, tmp_path / "ckpt", ExportConfig(kind="hf", overwrite=True))
+    assert not (tmp_path / ".ckpt.old-3333").exists()
 
 
 # --- corrupted exports ----------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from nemo_fp4qat import FP4QATCallback, QuantizationMonitor, analyze_model
-from nemo_fp4qat.numerics.metrics import weight_statistics
+from nemo_fp4qat.numerics.metrics import quantization_error, weight_statistics
 
 from reference_numerics import mx_ref, nvfp4_ref
 from tiny_models import LitLM, MegatronStyleGPT, loader
@@ -37,6 +37,27 @@ def test_metrics_match_float64_reference():
     assert rec["weight_kurtosis"] == pytest.approx(((wd - wd.mean()) ** 4).mean() / wd.var() ** 2, rel=1e-10)
     nz = wd != 0
     assert rec["weight_flushed_frac"] == pytest.approx(((q == 0) & nz).sum() / nz.sum())
+
+
+def test_metrics_leave_out_nonfinite_elements_as_the_float64_reference_does():
+    """The metrics' fast path (a finite float64 sum) must not hide NaN/Inf: they are counted and excluded."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(24, 64, generator=g) * 0.1
+    w[3, 7], w[10, 0], w[20, 63] = float("nan"), float("inf"), -float("inf")
+    q = torch.from_numpy(nvfp4_ref(w.numpy(), 0.5)).float()
+    wd, qd = w.numpy().astype(np.float64), q.numpy().astype(np.float64)
+    ok = np.isfinite(wd) & np.isfinite(qd)
+    err = quantization_error(w, q)
+    rel = np.linalg.norm(qd[ok] - wd[ok]) / np.linalg.norm(wd[ok])
+    assert err["rel_err"] == pytest.approx(rel, rel=1e-12)
+    st = weight_statistics(w, q)
+    f = wd[np.isfinite(wd)]
+    assert st["nonfinite"] == 3
+    assert st["mean"] == pytest.approx(f.mean(), rel=1e-12) and st["std"] == pytest.approx(f.std(), rel=1e-12)
+    assert st["absmax"] == np.abs(f).max()
+    assert st["kurtosis"] == pytest.approx(((f - f.mean()) ** 4).mean() / f.var() ** 2, rel=1e-10)
+    clean = weight_statistics(w.nan_to_num(0.0, 0.0, 0.0), q.nan_to_num(0.0, 0.0, 0.0))
+    assert clean["nonfinite"] == 0 and clean["absmax"] == pytest.approx(np.abs(f).max())
 
 
 def test_saturation_and_block_underflow_definitions():
@@ -164,8 +185,8 @@ def test_bad_monitor_arguments():
 class InjectInf(pl.Callback):
     """At one step, one element of LAYER's input becomes +Inf (before its input quantizer sees it)."""
 
-    def __init__(self, step: int):
-        self.step, self.handle = step, None
+    def __init__(self, step: int, value: float = float("inf"), count: int = 1):
+        self.step, self.handle, self.value, self.count = step, None, value, count
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         layer = dict(pl_module.named_modules())[LAYER]
@@ -173,7 +194,7 @@ class InjectInf(pl.Callback):
 
             def inject(module, args):
                 x = args[0].clone()
-                x.view(-1)[7] = float("inf")
+                x.view(-1)[7 : 7 + self.count] = self.value
                 return (x, *args[1:])
 
             self.handle = layer.register_forward_pre_hook(inject)
@@ -204,3 +225,13 @@ def test_an_inf_clipped_by_the_fake_quant_is_still_reported_with_layer_and_step(
                callbacks=[FP4QATCallback(policy="fp_embeddings", calibration=16), off, InjectInf(step=3)],
                ).fit(lit2, loader())  # fmt: skip
     assert not [f for f in off.findings if f.problem == "nonfinite"], "without the check, step 3 passes unseen"
+
+
+def test_finite_inputs_whose_sum_overflows_are_not_reported_as_nonfinite(tmp_path):
+    """The every-step check reads one sum per input; a sum that overflows on finite values is recounted."""
+    lit = LitLM(MegatronStyleGPT(seed=5), lr=1e-4)
+    mon = QuantizationMonitor(every_n_steps=100, out_dir=str(tmp_path))
+    pl.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+               enable_model_summary=False, callbacks=[FP4QATCallback(policy="fp_embeddings", calibration=16), mon,
+               InjectInf(step=2, value=3e38, count=4)]).fit(lit, loader())  # fmt: skip
+    assert not [f for f in mon.findings if f.metric == "input_nonfinite"]

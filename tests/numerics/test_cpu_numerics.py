@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 
 import numpy as np
@@ -104,6 +105,23 @@ def test_nvfp4_bit_exact_vs_modelopt_nvfp4qtensor(rows, blocks, mag, seed):
         q, s, s2 = NVFP4QTensor.quantize(x, 16)
     ref = q.dequantize(dtype=torch.float32, scale=s, double_scale=s2, block_sizes={-1: 16})
     assert torch.equal(cfq.fake_quant_nvfp4(x, x.abs().amax(), 16), ref)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    amax=st.one_of(st.floats(1e-30, 1e30), st.sampled_from([0.0, math.inf, math.nan, 3.4e38, 1e-45, 1e39])),
+    form=st.sampled_from(["float", "0-d", "vector"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_nvfp4_global_scale_in_python_floats_equals_the_tensor_arithmetic(amax, form, seed):
+    """The calibrated hot path computes amax / (6*448) in Python floats; it must round as float32 tensors do."""
+    g = torch.Generator().manual_seed(seed)
+    mag = amax / 3 if math.isfinite(amax) and 0 < amax < 1e30 else 1.0
+    x = torch.randn(4, 48, generator=g) * mag
+    given_amax = {"float": amax, "0-d": torch.tensor(amax), "vector": torch.tensor([amax / 2, amax])}[form]
+    with cfq.use_native(False):
+        expected = cfq.fake_quant_nvfp4(x, torch.tensor([amax]), 16)
+    assert torch.equal(cfq.fake_quant_nvfp4(x, given_amax, 16).view(torch.int32), expected.view(torch.int32))
 
 
 def test_special_values():

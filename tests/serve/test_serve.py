@@ -16,24 +16,10 @@ from nemo_fp4qat.export import ExportConfig, export_checkpoint
 from nemo_fp4qat.qat.modelopt_compat import uses_list_config
 from nemo_fp4qat.serve import PyTorchBackend, ServeSettings
 
-from serving import running_server
+from serving import char_tokenizer, running_server
 from tiny_models import VOCAB, calibrated_tiny_llama
 
 KEY = "s3cret-token"
-
-
-def _char_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    chars = [chr(c) for c in range(32, 32 + VOCAB - 2)]
-    vocab = {"<unk>": 0, "</s>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    from tokenizers import decoders
-
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>", pad_token="</s>")
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +27,7 @@ def export_dir(tmp_path_factory):
 
     model = calibrated_tiny_llama("trtllm_mixed", seed=5)
     return export_checkpoint(model, tmp_path_factory.mktemp("srv") / "export", ExportConfig(kind="hf"),
-                             tokenizer=_char_tokenizer())  # fmt: skip
+                             tokenizer=char_tokenizer())  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +121,7 @@ def test_w4a8_export_is_served_with_the_trained_numerics(tmp_path):
     # the trained fake-quantized model (float32 throughout)
 
     model = calibrated_tiny_llama("nvfp4_w4a8", seed=5)
-    out = export_checkpoint(model, tmp_path / "w4a8", ExportConfig(kind="hf"), tokenizer=_char_tokenizer())
+    out = export_checkpoint(model, tmp_path / "w4a8", ExportConfig(kind="hf"), tokenizer=char_tokenizer())
     backend = PyTorchBackend(out)
     assert backend.algos["model.layers.0.mlp.down_proj"] == "W4A8_NVFP4_FP8"
     x = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -178,7 +164,7 @@ def test_an_unquantized_model_directory_is_served_as_it_is(tmp_path):
     from tiny_models import tiny_llama
 
     model = tiny_llama(seed=3).eval()
-    tok = _char_tokenizer()
+    tok = char_tokenizer()
     model.save_pretrained(tmp_path / "plain")
     tok.save_pretrained(tmp_path / "plain")
     backend = PyTorchBackend(tmp_path / "plain")
