@@ -67,9 +67,9 @@ def main() -> dict:
         "## Reliability (`make reliability`, written by benchmarks/bench_reliability.py)",
         "",
         f"Machine: {machine()}. Kill/resume: Lightning path, tiny Llama with `FP4QATCallback` (three precision "
-        "switches, each recalibrating), checkpoints every 2 of 12 steps, unified HF export at the end; each point "
-        "is a fresh run SIGKILLed there, resumed from `last.ckpt` and compared bit for bit with one uninterrupted "
-        f"run ({ref['seconds']:.0f} s).",
+        "switches, the switch to NVFP4 recalibrating), checkpoints every 2 of 12 steps, unified HF export at the "
+        "end; each point is a fresh run SIGKILLed there, resumed from `last.ckpt` and compared bit for bit with one "
+        f"uninterrupted run ({ref['seconds']:.0f} s).",
         "",
         "| what | count | passed |",
         "|---|---:|---:|",

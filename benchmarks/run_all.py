@@ -13,7 +13,14 @@ from pathlib import Path
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
-BENCHES = ["bench_cpu_fakequant", "bench_training_overhead", "profile_qat_step", "bench_demo", "bench_export_size", "bench_serve"]
+BENCHES = [
+    "bench_cpu_fakequant",
+    "bench_training_overhead",
+    "profile_qat_step",
+    "bench_demo",
+    "bench_export_size",
+    "bench_serve",
+]
 # Rendered from committed results of runs elsewhere (the GPU check's JSON): no machine needed.
 RENDERERS = ["render_gpu"]
 
