@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -59,14 +58,10 @@ def worker(variant: str) -> dict:
 
 
 def main() -> dict:
-    from common import machine, write_result
+    from common import alternating_worker_runs, machine, write_result
 
     variants = ["fp32", "nvfp4_qat", "qat+monitor"]
-    runs: dict[str, list[dict]] = {v: [] for v in variants}
-    for _ in range(3):
-        for v in variants:
-            out = subprocess.run([sys.executable, __file__, "--worker", v], capture_output=True, text=True, check=True)
-            runs[v].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    runs = alternating_worker_runs(__file__, variants, rounds=3)
     med = {v: {k: statistics.median(r[k] for r in runs[v]) for k in ("step_s", "rss_growth_mb")} for v in variants}
     step_ratio = med["nvfp4_qat"]["step_s"] / med["fp32"]["step_s"]
     mem_ratio = med["nvfp4_qat"]["rss_growth_mb"] / med["fp32"]["rss_growth_mb"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -42,3 +44,14 @@ def write_result(name: str, markdown: str, data: dict) -> None:
     RESULTS_DIR.mkdir(exist_ok=True)
     (RESULTS_DIR / f"{name}.md").write_text(markdown)
     (RESULTS_DIR / f"{name}.json").write_text(json.dumps(data, indent=1))
+
+
+def alternating_worker_runs(script: str, variants: list[str], rounds: int) -> dict[str, list[dict]]:
+    """Run ``script --worker VARIANT`` in a fresh process per run, variants alternating over ``rounds``
+    (so drift of the machine hits every variant alike); each run's last stdout line is its JSON result."""
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
+    for _ in range(rounds):
+        for v in variants:
+            out = subprocess.run([sys.executable, script, "--worker", v], capture_output=True, text=True, check=True)
+            runs[v].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return runs

@@ -23,7 +23,6 @@ import collections
 import functools
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -128,13 +127,9 @@ ROWS = [
 
 
 def main() -> dict:
-    from common import machine, write_result
+    from common import alternating_worker_runs, machine, write_result
 
-    runs: dict[str, list[dict]] = {"fp32": [], "nvfp4_qat": []}
-    for _ in range(ROUNDS):
-        for v in runs:
-            out = subprocess.run([sys.executable, __file__, "--worker", v], capture_output=True, text=True, check=True)
-            runs[v].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    runs = alternating_worker_runs(__file__, ["fp32", "nvfp4_qat"], ROUNDS)
     med: dict[str, dict[str, float]] = {}
     for v, rs in runs.items():
         keys = set().union(*rs)

@@ -68,8 +68,9 @@ class KillSwitch:
 def _install_kill_points(ks: KillSwitch, callback) -> None:
     import fsspec.implementations.local as fs_local
     import safetensors.torch
+    import transformers.modeling_utils
 
-    import nemo_fp4qat.export.atomic as atomic
+    import nemo_fp4qat.export.exporters as exporters
     import nemo_fp4qat.qat.controller as controller_module
 
     run_calibration = controller_module.run_calibration
@@ -114,39 +115,29 @@ def _install_kill_points(ks: KillSwitch, callback) -> None:
             _die()
 
     safetensors.torch.save_file = torn_save_file
-    import transformers.modeling_utils
-
     transformers.modeling_utils.safe_save_file = torn_save_file  # bound at its import, before this patch
-    write_manifest = atomic.write_manifest
+    write_manifest = exporters.write_manifest  # bound there by name
 
     def manifest_then_maybe_die(directory, info):
         ks.here("export_manifest")
         return write_manifest(directory, info)
 
-    import nemo_fp4qat.export.exporters as exporters
-
-    exporters.write_manifest = manifest_then_maybe_die  # bound there by name
+    exporters.write_manifest = manifest_then_maybe_die
     replace = os.replace
 
-    def replace_maybe_die(src, dst):
+    def replace_maybe_die(src, dst):  # only the export's final rename moves a ".partial-" directory
         if ".partial-" in str(src):
             ks.here("export_rename")
         return replace(src, dst)
 
-    atomic.os = type(sys)("os_for_kill_points")  # only the atomic module sees the patched rename
-    atomic.os.__dict__.update(os.__dict__)
-    atomic.os.replace = replace_maybe_die
+    os.replace = replace_maybe_die
 
 
 def state_digest(module) -> dict[str, str]:
-    return {k: hashlib.sha256(v.detach().contiguous().view(-1).view(dtype=_bytes_dtype(v)).numpy().tobytes())
-            .hexdigest() for k, v in module.state_dict().items() if hasattr(v, "detach")}  # fmt: skip
-
-
-def _bytes_dtype(v):
     import torch
 
-    return torch.uint8 if v.dtype != torch.bool else torch.bool
+    return {k: hashlib.sha256(v.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+            for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}  # fmt: skip
 
 
 def main(run_dir: str, spec: str | None) -> None:

@@ -140,6 +140,27 @@ def _to_f32(v: float) -> float:
         return math.copysign(math.inf, v)
 
 
+def _nvfp4_global_scale(
+    x: torch.Tensor, amax: torch.Tensor | float | None, global_scale: torch.Tensor | float | None
+) -> float:
+    """NVFP4's per-tensor scale ``amax / (6*448)`` in float32 arithmetic, as a Python float.
+
+    Python floats rather than 0-d tensor ops: this runs once per quantizer call, and on small layers the
+    dispatch of five tensor ops cost more than the kernel. Same float32 results: values rounded to float32,
+    then a float32 division (a double quotient of two float32 values rounds to the correctly rounded float32
+    quotient).
+    """
+    if global_scale is not None:
+        return _to_f32(float(torch.as_tensor(global_scale).reshape(())))
+    if amax is None:
+        a = float(_nan_free_block_amax(x.detach().abs().float().reshape(1, 1, -1)).amax())
+    elif isinstance(amax, torch.Tensor):
+        a = float(amax if amax.numel() == 1 else amax.amax())  # a non-scalar amax is reduced, as modelopt does
+    else:
+        a = float(amax)
+    return _to_f32(_to_f32(a) / (6.0 * 448.0))
+
+
 def _nan_free_block_amax(xabs: torch.Tensor) -> torch.Tensor:
     # fmaxf / Triton max ignore NaN; torch.amax propagates it, so mask NaN first.
     return torch.nan_to_num(xabs, nan=0.0, posinf=float("inf")).amax(dim=-1, keepdim=True)
@@ -161,39 +182,19 @@ def fake_quant_nvfp4(
         global_scale: the per-tensor scale ``amax / (6 * 448)`` itself (an exported ``input_scale``),
             used as given instead of being recomputed from ``amax`` (a round trip can move it an ulp).
     """
-    if _native_ok(x) and global_scale is None and amax is not None:
-        # The training hot path (a calibrated quantizer, once per quantizer per step): the global scale in
-        # Python floats instead of five 0-d tensor ops, whose dispatch cost more than the kernel on small
-        # layers. Same float32 arithmetic: amax rounded to float32, then a float32 division (a double
-        # quotient of two float32 values rounds to the correctly rounded float32 quotient).
-        a = amax if isinstance(amax, float) else float(amax if amax.numel() == 1 else amax.amax())
-        gs = _to_f32(_to_f32(a) / (6.0 * 448.0))
-        valid = math.isfinite(gs) and gs > 0
-        y = native_kernels.native_nvfp4(x.detach().float().contiguous(), gs, valid, block_size)
-        return y.to(x.dtype)
-    if global_scale is not None:
-        gs = torch.as_tensor(global_scale, dtype=torch.float32).to(x.device).reshape(())
-    elif amax is None:
-        amax_t = _nan_free_block_amax(x.detach().abs().float().reshape(1, 1, -1)).amax()
-    else:
-        amax_t = torch.as_tensor(amax, dtype=torch.float32).to(x.device).float()
-        if amax_t.numel() != 1:
-            amax_t = amax_t.amax()
-        amax_t = amax_t.reshape(())
-    if global_scale is None:
-        gs = amax_t / (6.0 * 448.0)
+    gs = _nvfp4_global_scale(x, amax, global_scale)
+    valid = math.isfinite(gs) and gs > 0
     if _native_ok(x):
-        valid = bool(torch.isfinite(gs) and gs > 0)
-        y = native_kernels.native_nvfp4(x.detach().float().contiguous(), float(gs), valid, block_size)
-        return y.to(x.dtype)
+        return native_kernels.native_nvfp4(x.detach().float().contiguous(), gs, valid, block_size).to(x.dtype)
     xb, n = _blocked(x, block_size)
     xabs = xb.abs()
     block_max = _nan_free_block_amax(xabs)
-    valid_gs = torch.isfinite(gs) & (gs > 0)
-    gs_safe = torch.where(valid_gs, gs, torch.ones_like(gs))
-    scale = torch.clamp(block_max / (6.0 * gs_safe), max=448.0).to(torch.float8_e4m3fn).float() * gs_safe
-    scale = torch.where(valid_gs, scale, torch.ones_like(scale))
-    scale = torch.where(scale < 1e-5, torch.ones_like(scale), scale)
+    if valid:
+        gs_t = torch.tensor(gs, dtype=torch.float32, device=x.device)
+        scale = torch.clamp(block_max / (6.0 * gs_t), max=448.0).to(torch.float8_e4m3fn).float() * gs_t
+        scale = torch.where(scale < 1e-5, torch.ones_like(scale), scale)
+    else:  # no usable global scale: every block scale is 1 (modelopt's kernels do the same)
+        scale = torch.ones_like(block_max)
     q = round_to_minifloat(xabs / scale, (2, 1)) * scale
     y = torch.where(xb >= 0, q, -q)
     y = torch.where(torch.isnan(xb), xb, y)

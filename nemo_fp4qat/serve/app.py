@@ -139,6 +139,9 @@ class Metrics:
     rejected_overload: int = 0  # 503: the queue was full
     rejected_body: int = 0  # 413: the body was over max_body_bytes
 
+    def count_error(self, status: int) -> None:
+        self.errors[status] = self.errors.get(status, 0) + 1
+
     def text(self) -> str:
         tps = self.completion_tokens / self.generate_seconds if self.generate_seconds else 0.0
         lines = [
@@ -224,10 +227,13 @@ class Batcher:
             try:
                 call = functools.partial(self.backend.generate_rows, prompts, params, cancelled, on_step)
                 out = await loop.run_in_executor(None, call)
-            except Exception:
+            except Exception as e:
                 # One request's failure must not fail the others batched with it: run each alone, so only
                 # the requests that fail by themselves get the error (rare path: a second pass per job).
-                await self._run_alone(jobs)
+                if len(jobs) == 1:
+                    self._fail(jobs[0], e)
+                else:
+                    await self._run_alone(jobs)
                 continue
             finally:
                 self.inflight -= 1
@@ -246,12 +252,15 @@ class Batcher:
             try:
                 rows = await loop.run_in_executor(None, call)
             except Exception as e:
-                self.metrics.backend_errors += 1
-                if not j.future.done():
-                    j.future.set_exception(e)
+                self._fail(j, e)
                 continue
             if not j.future.done():
                 j.future.set_result(rows)
+
+    def _fail(self, job: _Job, error: Exception) -> None:
+        self.metrics.backend_errors += 1
+        if not job.future.done():
+            job.future.set_exception(error)
 
 
 class BodySizeLimit:
@@ -291,7 +300,7 @@ class BodySizeLimit:
 
     async def _reject(self, send: Any) -> None:
         self.metrics.rejected_body += 1
-        self.metrics.errors[413] = self.metrics.errors.get(413, 0) + 1
+        self.metrics.count_error(413)
         msg = f"body: request body exceeds max_body_bytes {self.limit}; send a smaller request"
         response = _error(413, msg, "body")
         await send({"type": "http.response.start", "status": 413, "headers": response.raw_headers})
@@ -348,12 +357,12 @@ def create_app(backend: Any, settings: ServeSettings | None = None) -> FastAPI:
         err = exc.errors()[0]
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         status = 400 if err.get("type") == "json_invalid" else 422
-        metrics.errors[status] = metrics.errors.get(status, 0) + 1
+        metrics.count_error(status)
         return _error(status, f"{'.'.join(loc) or 'body'}: {err.get('msg')}", ".".join(loc) or None)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        metrics.errors[exc.status] = metrics.errors.get(exc.status, 0) + 1
+        metrics.count_error(exc.status)
         response = _error(exc.status, exc.message, exc.param, exc.kind)
         if exc.status == 503:
             response.headers["Retry-After"] = "1"
@@ -361,7 +370,7 @@ def create_app(backend: Any, settings: ServeSettings | None = None) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        metrics.errors[exc.status_code] = metrics.errors.get(exc.status_code, 0) + 1
+        metrics.count_error(exc.status_code)
         return _error(exc.status_code, str(exc.detail))
 
     def auth(request: Request) -> None:
@@ -405,13 +414,13 @@ def create_app(backend: Any, settings: ServeSettings | None = None) -> FastAPI:
                                "prompt")  # fmt: skip
 
     async def submit(prompts: list[str], req: _Sampling, params: SamplingParams) -> _Job:
-        loop = asyncio.get_running_loop()
-        job = _Job([p for p in prompts for _ in range(req.n)], params, loop.create_future(), loop,
-                   asyncio.Queue() if req.stream else None)  # fmt: skip
         if batcher.queue.qsize() >= settings.max_queued_requests:
             metrics.rejected_overload += 1
             raise APIError(503, f"server busy: {batcher.queue.qsize()} requests queued (max_queued_requests "
                            f"{settings.max_queued_requests}); retry shortly", kind="overloaded")  # fmt: skip
+        loop = asyncio.get_running_loop()
+        job = _Job([p for p in prompts for _ in range(req.n)], params, loop.create_future(), loop,
+                   asyncio.Queue() if req.stream else None)  # fmt: skip
         await batcher.queue.put(job)
         return job
 

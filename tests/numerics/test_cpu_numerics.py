@@ -110,17 +110,22 @@ def test_nvfp4_bit_exact_vs_modelopt_nvfp4qtensor(rows, blocks, mag, seed):
 @settings(max_examples=60, deadline=None)
 @given(
     amax=st.one_of(st.floats(1e-30, 1e30), st.sampled_from([0.0, math.inf, math.nan, 3.4e38, 1e-45, 1e39])),
-    form=st.sampled_from(["float", "0-d", "vector"]),
+    form=st.sampled_from(["float", "int", "0-d", "vector"]),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_nvfp4_global_scale_in_python_floats_equals_the_tensor_arithmetic(amax, form, seed):
-    """The calibrated hot path computes amax / (6*448) in Python floats; it must round as float32 tensors do."""
+    """amax / (6*448) is computed in Python floats; it must round as float32 tensors do, for any amax form."""
     g = torch.Generator().manual_seed(seed)
     mag = amax / 3 if math.isfinite(amax) and 0 < amax < 1e30 else 1.0
     x = torch.randn(4, 48, generator=g) * mag
-    given_amax = {"float": amax, "0-d": torch.tensor(amax), "vector": torch.tensor([amax / 2, amax])}[form]
+    if form == "int" and not (math.isfinite(amax) and amax < 1e18):
+        form = "float"
+    given_amax = {"float": amax, "int": int(amax) if form == "int" else None, "0-d": torch.tensor(amax),
+                  "vector": torch.tensor([amax / 2, amax])}[form]  # fmt: skip
+    # the expected global scale by torch float32 tensor arithmetic, independently of the Python floats
+    gs = torch.tensor(float(given_amax) if form != "vector" else amax, dtype=torch.float32) / (6.0 * 448.0)
     with cfq.use_native(False):
-        expected = cfq.fake_quant_nvfp4(x, torch.tensor([amax]), 16)
+        expected = cfq.fake_quant_nvfp4(x, None, 16, global_scale=gs)
     assert torch.equal(cfq.fake_quant_nvfp4(x, given_amax, 16).view(torch.int32), expected.view(torch.int32))
 
 
