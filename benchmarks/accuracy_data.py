@@ -28,10 +28,11 @@ class AccuracyData:
     def ppl(self, model: Any) -> float:
         return evaluate(model, self.val, window=self.cfg.eval_window).as_dict()["ppl"]
 
-    def ptq(self, model: Any, policy: Any) -> Any:
+    def ptq(self, model: Any, policy: Any, smoothing: Any = None) -> Any:
         """A calibrated copy of ``model`` quantized by ``policy`` (the original is left as it was)."""
         m = copy.deepcopy(model)
-        ctl = QATController(policy=policy, calibration=self.cfg.calib_samples, forward_fn=lambda x, b: x(b))
+        calibration = {"num_samples": self.cfg.calib_samples, "smoothing": smoothing}
+        ctl = QATController(policy=policy, calibration=calibration, forward_fn=lambda x, b: x(b))
         ctl.prepare(m)
         ctl.calibrate(m, self.calib)
         return m

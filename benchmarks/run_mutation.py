@@ -11,12 +11,12 @@ the checkout is never touched. ``--only fake_quant`` runs one target; ``--max-ch
 parallelism. ``make mutate`` runs the C-source set (about 2 minutes); ``MUTATE_TARGETS=all make mutate``
 also runs mutmut over every Python target.
 
-Known limitation (mutmut 3.8.1 here): its stats run recorded no test for most mutants of
-``export/unpack.py`` (reported "no tests") and the rest timed out, although ``tests/export`` calls those
-functions; the editable install of the package and mutmut's own ``sys.path`` handling are the suspects
-(the finder below fixes the import of the mutated copy, verified by hand, but not the stats mapping).
-Until that is solved the Python modules carry no mutation score; the survivors table in the issue was
-killed by hand-written tests instead.
+mutmut runs the tests from its ``mutants/`` copy, so files the tests read outside the package (the YAML
+configs under ``conf/``) are copied there too (``also_copy``); without them the stats run failed and every
+mutant came out "no tests". A function that runs only at import time (``formats._dyn_block`` builds the
+format table) cannot be activated by mutmut's trampolines, which pick the mutant when a function is
+called in the forked test process: such survivors were applied to the source by hand and are listed with
+the test that kills them (``benchmarks/mutation_equivalent.json``).
 """
 
 from __future__ import annotations
@@ -44,14 +44,15 @@ TARGETS: dict[str, dict] = {
     "weight_check": {"module": "nemo_fp4qat/export/weight_check.py", "tests": ["tests/export/test_export.py"]},
     "validate": {"module": "nemo_fp4qat/export/validate.py", "tests": ["tests/export/test_export.py"]},
     "formats": {"module": "nemo_fp4qat/numerics/formats.py",
-                "tests": ["tests/qat/test_policy.py", "tests/numerics/test_cpu_backend.py"]},
+                "tests": ["tests/numerics/test_formats.py", "tests/qat/test_policy.py",
+                          "tests/numerics/test_cpu_backend.py"]},
     "calibration": {"module": "nemo_fp4qat/qat/calibration.py", "tests": ["tests/qat/test_amax_sync.py"]},
     "controller": {"module": "nemo_fp4qat/qat/controller.py", "tests": ["tests/qat/test_schedule.py"]},
     "serve_app": {"module": "nemo_fp4qat/serve/app.py", "tests": ["tests/serve/test_serve.py"]},
 }  # fmt: skip
-# mutmut on this project's layout does not yet map tests to mutants (see the module docstring): the quick
-# default is the C-source set, which runs and scores; MUTATE_TARGETS names the mutmut targets to try
-QUICK = ["c_kernel"]
+# the quick default (about 10 minutes on 2 cores): the C source and the format registry; MUTATE_TARGETS=all
+# (or --only) runs every target
+QUICK = ["c_kernel", "formats"]
 
 # (what the mutation breaks, text in native_kernels._SOURCE, replacement)
 C_MUTATIONS = [
@@ -124,6 +125,8 @@ def run_mutmut(name: str, max_children: int) -> dict:
     (work / "setup.cfg").write_text(
         "[mutmut]\nsource_paths=nemo_fp4qat/\n"
         f"only_mutate={spec['module']}\n"
+        # mutmut runs the tests from mutants/: the YAML configs the tests read must be there too
+        "also_copy=\n    conf/\n"
         + "pytest_add_cli_args_test_selection=\n" + "".join(f"    {t}\n" for t in spec["tests"])
     )  # fmt: skip
     # mutmut reads [tool.mutmut] from pyproject.toml first: this project keeps its config here instead.
@@ -158,21 +161,27 @@ def write_results(results: dict[str, dict]) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "mutation.json").write_text(json.dumps(results, indent=1))
     lines = ["# Mutation testing (`make mutate`, written by benchmarks/run_mutation.py)", "",
-             "| module | tests | killed / total | score | survivors explained |", "|---|---|---|---|---|"]  # fmt: skip
+             "| module | tests | killed | timeout | survived | no tests | score | survivors explained |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
     detail = []
     for r in results.values():
         killed, total = _score(r)
         survivors = [m for m in r["mutants"] if m["status"] in ("survived", "no tests")]
         explained = [m for m in survivors if (m.get("mutant") or m.get("mutation")) in equivalent]
         tests = ", ".join(r.get("tests", C_TESTS[:1]))
-        lines.append(f"| `{r['module']}` | {tests} | {killed} / {total} | {killed / max(total, 1):.0%} | "
+        n = {st: sum(m["status"] == st for m in r["mutants"]) for st in ("killed", "timeout", "survived", "no tests")}
+        lines.append(f"| `{r['module']}` | {tests} | {n['killed']} | {n['timeout']} | {n['survived']} | "
+                     f"{n['no tests']} | {killed} / {total} = {killed / max(total, 1):.0%} | "
                      f"{len(explained)} of {len(survivors)} |")  # fmt: skip
         for m in survivors:
             key = m.get("mutant") or m.get("mutation")
             why = equivalent.get(key, "not yet reviewed")
             detail += [f"### {key} ({m['status']})", "", f"Reason: {why}", "", "```diff", m.get("diff", ""), "```", ""]
-    lines += ["", "Killed = a test failed (or timed out) with the mutant in place. Survivors below, each with",
-              "its diff and the reason it is equivalent when reviewed (`benchmarks/mutation_equivalent.json`).", "",
+    lines += ["", "Score = (killed + timeout) / all mutants: killed = a test failed with the mutant in place;",
+              "timeout = mutmut stopped the tests past its time limit (a mutant that loops, or a busy machine:",
+              "rerun on an idle one); no tests = no selected test calls the mutated function (counted as",
+              "surviving). Survivors below, each with its diff and, when reviewed, why it is equivalent or which",
+              "test kills it when applied by hand (`benchmarks/mutation_equivalent.json`).", "",
               *detail]  # fmt: skip
     (RESULTS / "mutation.md").write_text("\n".join(lines) + "\n")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 __all__ = ["main"]
 
@@ -40,9 +41,14 @@ def _formats(_: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from .demo.pipeline import run_demo
 
+    smoothing: Any = None  # None: the demo's default
+    if args.smoothing == ["off"]:
+        smoothing = False
+    elif args.smoothing is not None or args.smoothing_alpha is not None:
+        smoothing = {k: v for k, v in (("sites", args.smoothing), ("alpha", args.smoothing_alpha)) if v}
     return run_demo(out_dir=args.out, quick=args.quick, steps=args.steps, distill_alpha=args.distill,
                     schedule=args.schedule, policy=args.policy, mode=args.mode, qad_lr=args.qad_lr,
-                    qad_steps=args.qad_steps, plain_qat=args.plain_qat or None)  # fmt: skip
+                    qad_steps=args.qad_steps, plain_qat=args.plain_qat or None, smoothing=smoothing)  # fmt: skip
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -193,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--distill", type=float, help="--mode qat: weight of distillation from the original (0..1)")
     d.add_argument("--schedule", help="--mode qat: precision schedule preset or YAML (default: progressive)")
     d.add_argument("--policy", help="layer policy preset or YAML (default: default)")
+    d.add_argument("--smoothing", nargs="*", metavar="SITE", help="fold SmoothQuant factors into the weights "
+                   "before calibration at these sites (attn_in mlp_in mlp_down; none given: the default sites), "
+                   "'off' to disable")  # fmt: skip
+    d.add_argument("--smoothing-alpha", type=float, help="migration strength of --smoothing (default 0.5)")
     d.set_defaults(fn=_demo)
     e = sub.add_parser("eval", help="evaluate a model, or check a comparison report against the quality gate")
     e.add_argument("--report", help="report.json written by `demo` (variants to compare)")

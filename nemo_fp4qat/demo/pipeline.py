@@ -56,9 +56,15 @@ class DemoConfig:
     plain_qat: bool = False  # also run plain QAT (mode "qat") and report it beside the QAD row
     schedule: str = "progressive"
     distill_alpha: float = 0.0
+    # activation smoothing folded into the weights before calibration (``nemo_fp4qat.qat.smoothing``;
+    # None: off), for the PTQ row and the QAT stage alike
+    smoothing: Any = None
     seed: int = 0
 
     def __post_init__(self) -> None:
+        from ..qat.smoothing import SmoothingConfig
+
+        SmoothingConfig.resolve_spec(self.smoothing)  # refuse a bad spec before the model loads
         if self.mode not in ("qad", "qat"):
             raise ValueError(f"demo mode {self.mode!r} is not known; use 'qad' (default) or 'qat'.")
 
@@ -123,6 +129,7 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, cfg: DemoConfig | 
     for k, v in overrides.items():
         if v is not None:
             setattr(cfg, k, v)
+    cfg.__post_init__()  # overrides are checked like constructor arguments, before the model loads
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # bound to the terminal now: inside, stdout (modelopt's and NeMo's prints) goes to demo.log
@@ -176,8 +183,8 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float) -> int:
           f"perplexity {variants['bf16_finetuned']['ppl']:.3f}")  # fmt: skip
 
     ptq = copy.deepcopy(ft)
-    ctl = QATController(policy=cfg.policy, schedule="direct", calibration=cfg.calib_samples,
-                        forward_fn=lambda m, b: m(b))  # fmt: skip
+    calibration = {"num_samples": cfg.calib_samples, "smoothing": cfg.smoothing}
+    ctl = QATController(policy=cfg.policy, schedule="direct", calibration=calibration, forward_fn=lambda m, b: m(b))
     ctl.prepare(ptq)
     ctl.calibrate(ptq, calib)
     (out / "policy_table.txt").write_text(ctl.table.format_table() + "\n")  # type: ignore[union-attr]
@@ -190,7 +197,7 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float) -> int:
     def plain_qat() -> tuple[Any, list[float], FP4QATCallback, QuantizationMonitor]:
         model = copy.deepcopy(base)
         distill = {"alpha": cfg.distill_alpha} if cfg.distill_alpha > 0 else None
-        cb = FP4QATCallback(policy=cfg.policy, schedule=cfg.schedule, calibration=cfg.calib_samples,
+        cb = FP4QATCallback(policy=cfg.policy, schedule=cfg.schedule, calibration=calibration,
                             calibration_data=calib, forward_fn=lambda m, b: m.net(b), distillation=distill)  # fmt: skip
         mon = QuantizationMonitor(every_n_steps=max(1, cfg.steps // 2), out_dir=str(out / "quant_quality"))
         return model, _train(model, train, cfg, out, [cb, mon], "qat"), cb, mon
@@ -201,7 +208,7 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float) -> int:
         # the student starts where PTQ left the fine-tune (same calibration data); the teacher is the
         # fine-tune itself (the callback's frozen copy before quantization)
         model = copy.deepcopy(ft)
-        cb = FP4QATCallback(policy=cfg.policy, schedule="direct", calibration=cfg.calib_samples,
+        cb = FP4QATCallback(policy=cfg.policy, schedule="direct", calibration=calibration,
                             calibration_data=calib, forward_fn=lambda m, b: m.net(b), distillation="qad")  # fmt: skip
         # one switch (step 0) and the end (each full-model analysis: report.json's monitor_measure_s)
         mon = QuantizationMonitor(every_n_steps=qad_steps, out_dir=str(out / "quant_quality"))
@@ -222,6 +229,9 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float) -> int:
         qat_model, qat_losses, qat_cb, monitor = plain_qat()
         method = f"plain QAT from the original ({cfg.schedule}{qad_note})"
         what = f"plain QAT ({cfg.schedule}), {cfg.steps} steps"
+    sm = qat_cb.controller.calibration.smoothing
+    if sm is not None:
+        method += f"; smoothing {'+'.join(sm.sites)} alpha {sm.alpha} folded into the weights"
     variants["qat"] = ev(qat_model, "QAT (in memory)")
     stage(4, what, f"perplexity {variants['qat']['ppl']:.3f}{plain_note}")
     from ..export import ExportConfig, export_checkpoint

@@ -250,8 +250,10 @@ class FP4QATCallback(pl.Callback):
             source = self.calibration_data if self.calibration_data is not None else trainer.train_dataloader
             ctl.calib_batches = self._collect(source)
         ctl.calibrate(self.target_module(pl_module))
+        smoothed = f"; smoothing folded into {len(ctl.smoothed)} inputs first" if ctl.smoothed else ""
         rank_zero_info(
             f"nemo_fp4qat: calibrated on {ctl.calibration.num_samples} samples ({len(ctl.calib_batches)} batches)"
+            + smoothed
         )
 
     def on_train_batch_start(

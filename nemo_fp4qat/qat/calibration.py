@@ -38,6 +38,9 @@ class CalibrationConfig:
         algorithm: modelopt algorithm, or ``"auto"`` to use what the policy's formats need.
         recalibrate_on_switch: re-run calibration for quantizers whose format changed.
         sync_ranks: all-reduce amax (MAX) across data-parallel ranks after calibrating.
+        smoothing: fold SmoothQuant factors into the norms / ``up_proj`` rows before the first
+            calibration (``True``, an alpha, a dict or a :class:`SmoothingConfig`; ``None``: off).
+            A plain-model transform: exports need nothing extra.
     """
 
     num_samples: int = 128
@@ -45,8 +48,12 @@ class CalibrationConfig:
     algorithm: str | dict[str, Any] | None = "auto"
     recalibrate_on_switch: bool = True
     sync_ranks: bool = True
+    smoothing: Any = None
 
     def __post_init__(self) -> None:
+        from .smoothing import SmoothingConfig  # smoothing imports this module's helpers
+
+        self.smoothing = SmoothingConfig.resolve_spec(self.smoothing)
         if not isinstance(self.num_samples, int) or self.num_samples < 1:
             raise ValueError(f"calibration num_samples must be a positive int, got {self.num_samples!r}")
         if not 100 <= self.num_samples <= 500:

@@ -23,6 +23,7 @@ from .fused_siblings import find_fused_siblings, share_fused_amax
 from .modelopt_compat import apply_quant_cfg, build_quant_cfg, calibration_algorithm
 from .policy import POLICY_PRESETS, LayerPolicy, PolicyTable, element_bits, is_quantizer
 from .schedule import PrecisionSchedule, effective_format
+from .smoothing import SmoothingSite, smooth_model
 from .w4a8_scaling import scale_w4a8_weight_amax
 
 __all__ = ["QATController"]
@@ -85,6 +86,7 @@ class QATController:
         self.ramps: dict[str, dict[str, Any]] = {}  # quantizer name -> {"start", "old"}
         self.total_steps: int | None = None
         self.calib_batches: list[Any] = []
+        self.smoothed: list[SmoothingSite] = []  # sites smoothed by this run's calibration
         self.fused_groups: list[list[str]] = []
         self.pins: dict[str, int] = {}  # layer group -> highest stage index it may use (rollbacks)
         self._step = 0
@@ -174,6 +176,9 @@ class QATController:
                 "Calibration got no batches: the calibration data is empty. Pass calibration_data with at least one "
                 "batch (100-500 representative samples), or let the callback draw them from the train dataloader."
             )
+        if self.calibration.smoothing is not None and not self.calibrated:
+            # once per run, before the first amax: the smoothed weights are what the checkpoint holds
+            self.smoothed = smooth_model(model, self.calib_batches, self.calibration.smoothing, self.forward_fn)
         run_calibration(model, self.calib_batches, self._algorithm(), self.forward_fn)
         scale_w4a8_weight_amax(model)
         self._after_calibration(model)

@@ -24,7 +24,14 @@ import torch.nn as nn
 
 from ..numerics.formats import format_of_quantizer
 
-__all__ = ["W4A8_AMAX_FACTOR", "calibrated_w4a8_layers", "is_w4a8", "scale_w4a8_weight_amax", "w4a8_export_amax"]
+__all__ = [
+    "W4A8_AMAX_FACTOR",
+    "calibrated_w4a8_layers",
+    "is_w4a8",
+    "scale_w4a8_weight_amax",
+    "training_amax",
+    "w4a8_export_amax",
+]
 
 W4A8_AMAX_FACTOR = 6.0  # E2M1's largest value: (6 * amax) / (6 * 448) == amax / 448
 
@@ -58,21 +65,42 @@ def scale_w4a8_weight_amax(model: nn.Module, modules: Iterable[str] | None = Non
     """
     done = []
     for name, mod in calibrated_w4a8_layers(model, modules):
-        mod.weight_quantizer._amax.mul_(W4A8_AMAX_FACTOR)
+        amax = mod.weight_quantizer._amax
+        amax.copy_(training_amax(amax.float() * W4A8_AMAX_FACTOR).to(amax.dtype))
         done.append(name)
     return done
+
+
+def training_amax(scaled: torch.Tensor) -> torch.Tensor:
+    """``6 * amax`` nudged up by at most a few float32 ulps so that the two per-tensor scales agree bit for bit.
+
+    The fake quantizer computes ``A / (6 * 448)`` from the amax ``A`` it holds; the exporter computes
+    ``(A / 6) / 448`` (``w4a8_export_amax``, then modelopt's ``amax / 448``). In float32 the two differ by
+    an ulp for about a quarter of all values (measured on random amax), and an ulp in the per-tensor
+    scale flips the E4M3 rounding of the odd block scale that sits on a tie, so a trained block would
+    deploy with other codes (seen on SmolLM2 after QAD: 21 codes in 7 blocks). Two ulps always sufficed.
+    """
+    a = scaled.float().clone()
+    up = torch.full_like(a, float("inf"))
+    for _ in range(8):
+        differ = (a / (6.0 * 448.0)) != ((a / W4A8_AMAX_FACTOR) / 448.0)
+        if not bool(differ.any()):
+            break
+        a = torch.where(differ, torch.nextafter(a, up), a)
+    return a
 
 
 @contextlib.contextmanager
 def w4a8_export_amax(model: nn.Module) -> Iterator[list[str]]:
     """The true weight amax of W4A8 layers while an exporter runs; the training value afterwards."""
     scaled = list(calibrated_w4a8_layers(model))
+    saved = [mod.weight_quantizer._amax.detach().clone() for _, mod in scaled]
     with torch.no_grad():
         for _, mod in scaled:
             mod.weight_quantizer._amax.div_(W4A8_AMAX_FACTOR)
     try:
         yield [n for n, _ in scaled]
     finally:
-        with torch.no_grad():
-            for _, mod in scaled:
-                mod.weight_quantizer._amax.mul_(W4A8_AMAX_FACTOR)
+        with torch.no_grad():  # the held values exactly (a float32 * 6 after / 6 may move an ulp)
+            for (_, mod), amax in zip(scaled, saved):
+                mod.weight_quantizer._amax.copy_(amax)

@@ -79,7 +79,8 @@ def test_w4a8_layers_train_in_the_numerics_trtllm_deploys(tmp_path):
     assert float(lin.weight_quantizer.amax) == pytest.approx(6 * float(w.abs().max()), rel=1e-6)
     with torch.no_grad():
         got = lin.weight_quantizer(w).numpy()
-    want = nvfp4_ref(w.numpy(), amax=float(w.abs().max()) * 6.0)  # global scale = max|w| / 448
+    held = float(lin.weight_quantizer.amax)  # 6 max|w|, nudged by <= 2 ulps (training_amax)
+    want = nvfp4_ref(w.numpy(), amax=held)  # global scale = held / 2688 = max|w| / 448
     np.testing.assert_array_equal(got, want)
     if not uses_list_config():  # modelopt 0.37 writes the W4A4 per-tensor scale: refused, nothing written
         with pytest.raises(ExportRefused, match="W4A8 kernel needs amax / 448"):
@@ -99,6 +100,10 @@ def test_w4a8_layers_train_in_the_numerics_trtllm_deploys(tmp_path):
     assert layers["model.layers.0.self_attn.q_proj"]["quant_algo"] == "FP8"
     t = load_file(str(tmp_path / "hf" / "model.safetensors"))  # the kernel's scale contract
     assert float(t["model.layers.0.mlp.down_proj.weight_scale_2"]) == pytest.approx(float(w.abs().max()) / 448)
+    for name, mod in model.named_modules():  # the exported per-tensor scale is the trained one, bit for bit
+        if is_w4a8(mod):
+            trained = mod.weight_quantizer._amax.float() / (6.0 * 448.0)
+            assert torch.equal(t[f"{name}.weight_scale_2"].float().reshape(()), trained.reshape(())), name
     assert float(t["model.layers.0.mlp.down_proj.weight_scale"].float().max()) <= 448 / 6
     with torch.no_grad():  # the training amax is back after the export
         assert torch.equal(model(x).logits, before)
@@ -299,6 +304,39 @@ def test_corrupt_fp4_code_is_caught_by_the_numeric_check(tmp_path, nvfp4_export)
     assert name not in _errors(validate_export(bad))  # structure alone cannot see it ...
     errs = _errors(validate_export(bad, model=model))
     assert "1 of" in errs[name] and "FP4 codes differ" in errs[name]  # ... the trained model can
+
+
+def test_tiny_weight_blocks_zero_in_training_are_excused_only_within_their_bound(tmp_path):
+    """modelopt's training kernel gives a block whose scale is below 1e-5 the scale 1 (its values
+    train as 0) while its exporter keeps the tiny scale: the validator excuses exactly those blocks,
+    names them, and still fails a code change in a block whose scale is not tiny."""
+    from nemo_fp4qat.numerics.fake_quant import fake_quant_nvfp4
+
+    model = calibrated_tiny_llama("nvfp4", seed=5)
+    lin = model.model.layers[0].mlp.down_proj
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        lin.weight[0, :16] = torch.randn(16, generator=g) * 1e-6  # block amax ~3e-6: scale < 1e-5
+    trained = lin.weight_quantizer(lin.weight.detach())
+    assert torch.count_nonzero(trained[0, :16]) == 0  # the training rule: scale 1, every value rounds to 0
+    # the same rule in the pure-torch kernel, written from modelopt's Triton source (independent of the C one)
+    assert torch.count_nonzero(fake_quant_nvfp4(lin.weight.detach()[:1, :16] * 1, lin.weight_quantizer._amax)) == 0
+
+    out = export_checkpoint(model, tmp_path / "ckpt", ExportConfig(kind="hf"))
+    report = json.loads((out / "validation.json").read_text())
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert report["ok"] and report["numeric"]["fp4_tiny_blocks_excused"] == 1
+    assert [w["tensor"] for w in report["warnings"]] == [name]
+    exported = load_file(str(out / "model.safetensors"))
+    assert torch.count_nonzero(exported[name][0, :8]) > 0  # modelopt's exporter did keep the tiny values
+
+    def big_scale(t):  # the same zero-in-training block, now with a scale far above the excuse's bound
+        s = t[name + "_scale"].float()
+        s[0, 0] = 448.0
+        t[name + "_scale"] = s.to(torch.float8_e4m3fn)
+
+    bad = _corrupt(out, tmp_path / "c", big_scale)
+    assert "FP4 codes differ" in _errors(validate_export(bad, model=model))[name]
 
 
 def test_corrupt_excluded_module_carrying_scales_and_runtime_algo(tmp_path, nvfp4_export):

@@ -155,3 +155,30 @@ def test_nemo_accepts_the_smollm2_trtllm_checkpoint(exported):
     path = exported("default", "trtllm", 1)
     assert nemo_is_qnemo_checkpoint()(str(path))
     assert (path / "tokenizer" / "tokenizer_config.json").is_file()  # nemo.export reads tokenizer/
+
+
+def test_smoothed_default_exports_exactly_and_keeps_the_full_precision_function(tmp_path, smollm2):
+    """Smoothing (attn_in + mlp_in) on the real model: the full-precision logits are unchanged by the fold,
+    and the NVFP4 / FP8 export of the smoothed, calibrated model validates code for code."""
+    base, tok, calib = smollm2
+    model = copy.deepcopy(base)
+    with torch.no_grad():
+        before = base(calib[0]).logits
+    ctl = QATController(policy="default", schedule="direct", calibration={"num_samples": 4, "smoothing": True},
+                        forward_fn=lambda m, b: m(b))  # fmt: skip
+    ctl.prepare(model)
+    ctl.calibrate(model, calib)
+    assert len(ctl.smoothed) == 2 * base.config.num_hidden_layers
+    assert not torch.equal(model.model.layers[0].post_attention_layernorm.weight,
+                           base.model.layers[0].post_attention_layernorm.weight)  # fmt: skip
+    quantizers = [m for m in model.modules() if type(m).__name__.endswith("Quantizer") and m.is_enabled]
+    for q in quantizers:
+        q.disable()
+    with torch.no_grad():
+        torch.testing.assert_close(model(calib[0]).logits, before, rtol=1e-3, atol=1e-3)
+    for q in quantizers:
+        q.enable()
+    out = export_checkpoint(model, tmp_path / "hf", ExportConfig(kind="hf"), tokenizer=tok)
+    report = json.loads((out / "validation.json").read_text())
+    assert report["ok"] and report["numeric"]["fp4_codes_different"] == 0, report["errors"][:3]
+    assert report["numeric"]["layers_compared"] == len(quantized_layers(model))

@@ -1,0 +1,191 @@
+"""Deployable accuracy levers (#17), each alone and combined, PTQ and QAD, every QAD result exported.
+
+One BF16 fine-tune (the demo's: SmolLM2-135M, Emma, 20 steps) is the teacher and the starting point;
+each lever is then applied to a copy of it: PTQ (calibrated, no training), and for the levers named
+in ``QAD_LEVERS`` the demo's QAD stage (KL to the fine-tune, direct schedule, ``DemoConfig.qad_lr``,
+20 steps), exported as a unified HF checkpoint (validated on write) and measured as served. Levers:
+activation smoothing folded into the norms / ``up_proj`` rows (``nemo_fp4qat.qat.smoothing``) at its
+sites and strengths, and FP8 instead of NVFP4 MLP activations (policy ``nvfp4_w4a8``, same weight
+bits). Gap to BF16 = ppl / ppl(fine-tune) - 1; recovery against plain max-calibrated PTQ of the
+default policy and against the same lever's own PTQ.
+
+Run: ``.venv-core/bin/python benchmarks/bench_levers.py [--quick]`` (about 25 minutes on 2 cores),
+part of ``make bench-accuracy``. Writes ``benchmarks/results/levers.{json,md,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+from pathlib import Path
+
+from accuracy_data import load_accuracy_data
+from common import RESULTS_DIR, machine, write_result
+
+from nemo_fp4qat import FP4QATCallback
+from nemo_fp4qat.demo.pipeline import DemoConfig, _train
+from nemo_fp4qat.eval.gate import recovery
+
+# lever name -> (policy, smoothing spec)
+LEVERS: dict[str, tuple[str, dict | None]] = {
+    "none (default policy, max calibration)": ("default", None),
+    "smooth mlp_in a0.5": ("default", {"sites": ["mlp_in"], "alpha": 0.5}),
+    "smooth mlp_in a0.7": ("default", {"sites": ["mlp_in"], "alpha": 0.7}),
+    "smooth attn_in+mlp_in a0.5": ("default", {"sites": ["attn_in", "mlp_in"], "alpha": 0.5}),
+    "smooth attn_in+mlp_in+mlp_down a0.5": ("default", {"sites": ["attn_in", "mlp_in", "mlp_down"], "alpha": 0.5}),
+    "FP8 MLP activations (nvfp4_w4a8)": ("nvfp4_w4a8", None),
+    "FP8 MLP activations + smooth attn_in+mlp_in a0.5": ("nvfp4_w4a8", {"sites": ["attn_in", "mlp_in"], "alpha": 0.5}),
+}
+NONE = "none (default policy, max calibration)"
+QAD_LEVERS = [
+    NONE,
+    "smooth mlp_in a0.5",
+    "smooth attn_in+mlp_in a0.5",
+    "FP8 MLP activations (nvfp4_w4a8)",
+    "FP8 MLP activations + smooth attn_in+mlp_in a0.5",
+]
+
+
+def main() -> None:
+    import lightning.pytorch as pl
+
+    from nemo_fp4qat.export import ExportConfig, ExportValidationError, export_checkpoint
+    from nemo_fp4qat.export.deployed_model import load_deployed_model
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="4-step smoke run of the whole script")
+    ap.add_argument("--render", action="store_true", help="only rewrite levers.md / .png from levers.json")
+    ap.add_argument("--only", nargs="+", metavar="LEVER", help="re-run these levers only (the fine-tune too) and "
+                    "merge them into levers.json; the other rows are kept as measured")  # fmt: skip
+    args = ap.parse_args()
+    if args.render:
+        d = json.loads((RESULTS_DIR / "levers.json").read_text())
+        write_result("levers", render(d), d)
+        plot(d, RESULTS_DIR / "levers.png")
+        return
+    cfg = DemoConfig.quick() if args.quick else DemoConfig()
+    out = Path("runs/bench_levers")
+    pl.seed_everything(cfg.seed)
+    data = load_accuracy_data(cfg)
+    t0 = time.time()
+    ft = copy.deepcopy(data.base)
+    _train(ft, data.train, cfg, out, [], "finetune")
+    ft_ppl = data.ppl(ft)
+    print(f"fine-tune {ft_ppl:.3f} ({time.time() - t0:.0f} s)", flush=True)
+    only = set(args.only or LEVERS)
+    unknown = only - set(LEVERS)
+    if unknown:
+        raise SystemExit(f"unknown lever(s) {sorted(unknown)}; choose from {list(LEVERS)}")
+    kept = json.loads((RESULTS_DIR / "levers.json").read_text())["rows"] if args.only else {}
+    rows: dict[str, dict] = {n: r for n, r in kept.items() if n not in only}
+    for name, (policy, smoothing) in LEVERS.items():
+        if name not in only:
+            continue
+        t0 = time.time()
+        m = data.ptq(ft, policy, smoothing)
+        rows[name] = {"policy": policy, "smoothing": smoothing, "ptq": data.ppl(m), "ptq_s": time.time() - t0}
+        print(f"{name}: PTQ {rows[name]['ptq']:.3f}", flush=True)
+        del m
+    for name in QAD_LEVERS:
+        if name not in only:
+            continue
+        policy, smoothing = LEVERS[name]
+        t0 = time.time()
+        m = copy.deepcopy(ft)
+        cb = FP4QATCallback(policy=policy, schedule="direct", calibration={"num_samples": cfg.calib_samples,
+                            "smoothing": smoothing}, calibration_data=data.calib, forward_fn=lambda x, b: x.net(b),
+                            distillation="qad")  # fmt: skip
+        _train(m, data.train, cfg, out, [cb], "qad", lr=cfg.qad_lr)
+        in_memory = data.ppl(m)
+        try:
+            hf = export_checkpoint(m, out / "export", ExportConfig(kind="hf", overwrite=True), tokenizer=data.tok)
+        except ExportValidationError as e:  # a finding to report, not a reason to lose the other rows
+            served, exported = in_memory, str(e).splitlines()[-1]
+        else:
+            served, exported = data.ppl(load_deployed_model(hf).model), "validated"
+        rows[name].update({"qad": served, "qad_in_memory": in_memory, "qad_s": time.time() - t0, "export": exported})
+        print(f"{name}: QAD {served:.3f} (in memory {in_memory:.3f}), export {exported}", flush=True)
+        del m
+    base_ptq = rows[NONE]["ptq"]
+    for r in rows.values():
+        for key in ("ptq", "qad"):
+            if key in r:
+                r[f"{key}_gap"] = r[key] / ft_ppl - 1
+        if "qad" in r:
+            r["recovery_vs_max_ptq"] = recovery(base_ptq, r["qad"], ft_ppl)
+            r["recovery_vs_own_ptq"] = recovery(r["ptq"], r["qad"], ft_ppl)
+    if kept and abs(json.loads((RESULTS_DIR / "levers.json").read_text())["bf16_finetuned"] - ft_ppl) > 1e-9:
+        raise SystemExit("the fine-tune differs from the one the kept rows were measured against; run every lever")
+    rows = {n: rows[n] for n in LEVERS if n in rows}  # table order
+    data_out = {"machine": machine(), "config": vars(cfg), "bf16_finetuned": ft_ppl, "rows": rows}
+    write_result("levers", render(data_out), data_out)
+    plot(data_out, RESULTS_DIR / "levers.png")
+
+
+def render(d: dict) -> str:
+    cfg, ft = d["config"], d["bf16_finetuned"]
+    lines = [
+        "## Deployable accuracy levers, PTQ and QAD (`benchmarks/bench_levers.py`)",
+        "",
+        f"Machine: {d['machine']}. SmolLM2-135M, BF16 fine-tune on Emma ({cfg['steps']} steps x {cfg['batch_size']} x "
+        f"{cfg['seq_len']} tokens, lr {cfg['lr']}): perplexity on Persuasion **{ft:.3f}**. Each lever on a copy of "
+        f"it: PTQ ({cfg['calib_samples']} calibration samples) and QAD ({cfg['steps']} steps, KL to the fine-tune, "
+        f"lr {cfg['qad_lr']}), the QAD model exported (unified HF, validated) and measured as served. One seed. "
+        "Gap = ppl / ppl(fine-tune) - 1; recovery against the default policy's max-calibrated PTQ, and against "
+        "the lever's own PTQ.",
+        "",
+        "| lever | PTQ ppl | PTQ gap | QAD ppl (served) | QAD gap | recovery vs max PTQ | recovery vs own PTQ "
+        "| export |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, r in d["rows"].items():
+        qad = (f"{r['qad']:.3f} | {100 * r['qad_gap']:.1f}% | {r['recovery_vs_max_ptq']:.3f} | "
+               f"{r['recovery_vs_own_ptq']:.3f} | {r['export']}") if "qad" in r else "- | - | - | - | -"  # fmt: skip
+        lines.append(f"| {name} | {r['ptq']:.3f} | {100 * r['ptq_gap']:.1f}% | {qad} |")
+    rows = d["rows"]
+    w4a4 = {n: r for n, r in rows.items() if r["policy"] == "default"}
+    best_ptq = min(w4a4, key=lambda n: w4a4[n]["ptq"])
+    qad4 = {n: r for n, r in w4a4.items() if "qad" in r}
+    best_qad = min(qad4, key=lambda n: qad4[n]["qad"])
+    fp8 = {n: r for n, r in rows.items() if r["policy"] != "default" and "qad" in r}
+    lines += [
+        "",
+        f"- NVFP4 activations (the default policy): the best PTQ is **{best_ptq}** ({w4a4[best_ptq]['ptq']:.3f} "
+        f"vs {rows[NONE]['ptq']:.3f} with max calibration alone); after QAD the best row is **{best_qad}** "
+        f"({qad4[best_qad]['qad']:.3f} vs {rows[NONE]['qad']:.3f}, gap {100 * qad4[best_qad]['qad_gap']:.1f}%): "
+        "QAD makes up what smoothing gains at PTQ.",
+    ]
+    for n, r in fp8.items():
+        lines.append(f"- {n}: QAD {r['qad']:.3f}, gap {100 * r['qad_gap']:.1f}%, recovery "
+                     f"{r['recovery_vs_max_ptq']:.3f} against the default policy's PTQ ({r['export']}).")  # fmt: skip
+    lines += ["", "![levers](results/levers.png)", ""]
+    return "\n".join(lines) + "\n"
+
+
+def plot(d: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(d["rows"])
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    y = range(len(names))
+    ax.barh([i + 0.2 for i in y], [d["rows"][n]["ptq"] for n in names], 0.4, label="PTQ")
+    ax.barh([i - 0.2 for i in y], [d["rows"][n].get("qad", 0) for n in names], 0.4, label="QAD (served)")
+    ax.axvline(d["bf16_finetuned"], color="k", ls="--", label="BF16 fine-tune")
+    ax.set_yticks(list(y), names, fontsize=8)
+    ax.invert_yaxis()
+    lo = d["bf16_finetuned"] * 0.95
+    ax.set_xlim(lo, max(r["ptq"] for r in d["rows"].values()) * 1.02)
+    ax.set_xlabel("perplexity on Persuasion (lower is better)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

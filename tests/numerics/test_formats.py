@@ -1,0 +1,81 @@
+"""The format registry read back from real modelopt quantizers, and the storage it charges.
+
+Each registered format's weight configuration is applied by modelopt (``mtq.quantize``) to a linear;
+``format_of_quantizer`` must name the format from the quantizer modelopt built (hand-written
+expectations: weight-only and SmoothQuant INT8 store the same weights, so the first is named).
+Storage costs are checked against hand-computed bits (elements plus block scales).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.nn as nn
+
+from nemo_fp4qat.numerics.formats import FORMATS, FULL_PRECISION, format_of_quantizer, list_formats
+from nemo_fp4qat.qat.modelopt_compat import build_quant_cfg
+
+EXPECTED_WEIGHT_FORMAT = {
+    "nvfp4": "nvfp4", "mxfp4": "mxfp4", "mxfp6_e2m3": "mxfp6_e2m3", "mxfp6_e3m2": "mxfp6_e3m2",
+    "mxfp8": "mxfp8", "fp8": "fp8", "int8_sq": "int8_sq", "int8_wo": "int8_sq", "int4_awq": "int4_awq",
+}  # fmt: skip
+# bits per stored weight element: element bits + scale bits / block (per-tensor / per-channel scales ~0)
+EXPECTED_BITS = {"bf16": 16, "nvfp4": 4 + 8 / 16, "mxfp4": 4 + 8 / 32, "mxfp6_e2m3": 6 + 8 / 32,
+                 "mxfp6_e3m2": 6 + 8 / 32, "mxfp8": 8 + 8 / 32, "fp8": 8, "int8_sq": 8, "int8_wo": 8,
+                 "int4_awq": 4 + 16 / 128}  # fmt: skip
+
+
+def test_every_format_is_listed_once_in_registry_order():
+    assert [f.name for f in list_formats()] == list(FORMATS) and set(FORMATS) == set(EXPECTED_BITS)
+
+
+@pytest.mark.parametrize("name", list(EXPECTED_WEIGHT_FORMAT))
+def test_format_is_read_back_from_the_quantizer_modelopt_built(name):
+    import modelopt.torch.quantization as mtq
+
+    model = nn.Sequential(nn.Linear(256, 64))
+    mtq.quantize(model, build_quant_cfg({"0": (name, "bf16")}, algorithm=None), forward_loop=None)
+    assert format_of_quantizer(model[0].weight_quantizer).name == EXPECTED_WEIGHT_FORMAT[name]
+    assert format_of_quantizer(model[0].input_quantizer) is FULL_PRECISION  # disabled: full precision
+    assert format_of_quantizer(None) is FULL_PRECISION
+
+
+def test_a_quantizer_no_format_describes_is_refused_by_name():
+    import modelopt.torch.quantization as mtq
+
+    model = nn.Sequential(nn.Linear(64, 64))
+    mtq.quantize(model, build_quant_cfg({"0": ("fp8", "bf16")}, algorithm=None), forward_loop=None)
+    model[0].weight_quantizer.num_bits = (3, 2)  # FP6 without a block: no registered format
+    with pytest.raises(ValueError, match="matches no registered format; add it to formats.py"):
+        format_of_quantizer(model[0].weight_quantizer)
+
+
+@pytest.mark.parametrize("name", list(EXPECTED_BITS))
+def test_storage_counts_elements_and_block_scales(name):
+    fmt = FORMATS[name]
+    assert fmt.bits_per_element == pytest.approx(EXPECTED_BITS[name])
+    assert fmt.weight_bytes(4096) == pytest.approx(4096 * EXPECTED_BITS[name] / 8)
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "mxfp8"])
+def test_input_blocks_run_along_the_hidden_dimension_of_3d_activations(name):
+    """Activations are (batch, sequence, hidden): the block axis of the registered config must be the last
+    one, whatever the rank (axis 1 equals axis -1 only for 2-D weights). Checked against the float64 / numpy
+    references on what modelopt's input quantizer returns."""
+    import modelopt.torch.quantization as mtq
+    import numpy as np
+    import torch
+
+    from reference_numerics import mx_ref, nvfp4_ref
+
+    model = nn.Sequential(nn.Linear(64, 32))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 16, 64, generator=g) * torch.linspace(0.1, 4, 64)
+    mtq.quantize(model, build_quant_cfg({"0": ("bf16", name)}), forward_loop=lambda m: m(x))
+    q = model[0].input_quantizer
+    with torch.no_grad():
+        got = q(x).numpy()
+    if name == "nvfp4":
+        want = nvfp4_ref(x.numpy(), float(q.amax))
+    else:
+        want = mx_ref(x.numpy(), {"mxfp4": (2, 1), "mxfp8": (4, 3)}[name], 32)
+    np.testing.assert_array_equal(got, want.astype(np.float32))
