@@ -20,7 +20,7 @@ DOCS = [
     *sorted((ROOT / "examples").glob("*.py")),
 ]
 # a command in backticks, or a shell line in a code block / comment ("#   nemo llm ...", "$ make demo")
-COMMAND = re.compile(r"(?:`|^[#$ ]*)((?:nemo-fp4qat|nemo llm|make|python examples/)[^`\n]*?)(?:`|\\?$)", re.M)
+COMMAND = re.compile(r"(?:`|^[#$ ]*)((?:nemo-fp4qat\b|nemo llm\b|make\b|python examples/)[^`\n]*?)(?:`|\\?$)", re.M)
 PLACEHOLDERS = {"EXPORT_DIR": "runs/demo/export", "HF_DIR": "hf", "STATE": "state.pt", "DIR": "d", "F": "key.txt",
                 "N": "2", "A": "acct", "P": "part"}  # fmt: skip
 
