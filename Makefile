@@ -74,10 +74,11 @@ $(CORE)/.mutmut-stamp: requirements/mutate.txt $(CORE)/.stamp
 mutate: $(CORE)/.mutmut-stamp
 	$(CORE)/bin/python benchmarks/run_mutation.py
 
-# Reliability sweep (#19): every kill point of the kill/resume harness (tests/kill_resume.py; a subset runs in
-# make test) plus the bad-config, non-finite and server-fault counts; writes benchmarks/results/reliability.*
-reliability: $(CORE)/.stamp
-	$(CORE)/bin/python benchmarks/bench_reliability.py
+# Reliability sweep (#19): every kill point of the kill/resume harness on the Lightning and NeMo paths
+# (tests/kill_resume.py; a subset runs in make test) plus the bad-config, non-finite and server-fault counts;
+# writes benchmarks/results/reliability.*
+reliability: $(CORE)/.stamp $(NEMO)/.stamp
+	$(CORE)/bin/python benchmarks/bench_reliability.py --nemo-python $(NEMO)/bin/python
 
 clean:
 	rm -rf $(CORE) $(NEMO) $(BENCH_SITE) runs .pytest_cache

@@ -64,12 +64,12 @@ class KillSwitch:
         if self.hit(event):
             _die()
 
+    die = staticmethod(_die)
 
-def _install_kill_points(ks: KillSwitch, callback) -> None:
-    import fsspec.implementations.local as fs_local
-    import safetensors.torch
-    import transformers.modeling_utils
 
+def install_export_kill_points(ks: KillSwitch, callback, weight_writers: list[tuple[object, str]]) -> None:
+    """The kill points both paths share: calibration forwards, precision switches and the export's stages.
+    ``weight_writers``: (module, name) of each ``save_file`` the exporter calls, bound at its import."""
     import nemo_fp4qat.export.exporters as exporters
     import nemo_fp4qat.qat.controller as controller_module
 
@@ -94,28 +94,16 @@ def _install_kill_points(ks: KillSwitch, callback) -> None:
 
     ctl.step = step_and_maybe_die
 
-    write = fs_local.LocalFileOpener.write
+    for module, name in weight_writers:
+        save_file = getattr(module, name)
 
-    def torn_write(self, data):  # Lightning writes each checkpoint with one write() through fsspec
-        if ks.hit("ckpt"):
-            write(self, data[: len(data) // 2])
-            self.flush()
-            _die()
-        return write(self, data)
+        def torn_save_file(tensors, filename, *a, _save=save_file, **kw):
+            _save(tensors, filename, *a, **kw)
+            if ks.hit("export_weights"):
+                os.truncate(filename, os.path.getsize(filename) // 2)
+                _die()
 
-    fs_local.LocalFileOpener.write = torn_write
-
-    save_file = safetensors.torch.save_file
-
-    def torn_save_file(tensors, filename, *a, **kw):
-        save_file(tensors, filename, *a, **kw)
-        if ks.hit("export_weights"):
-            size = os.path.getsize(filename)
-            os.truncate(filename, size // 2)
-            _die()
-
-    safetensors.torch.save_file = torn_save_file
-    transformers.modeling_utils.safe_save_file = torn_save_file  # bound at its import, before this patch
+        setattr(module, name, torn_save_file)
     write_manifest = exporters.write_manifest  # bound there by name
 
     def manifest_then_maybe_die(directory, info):
@@ -133,11 +121,51 @@ def _install_kill_points(ks: KillSwitch, callback) -> None:
     os.replace = replace_maybe_die
 
 
+def _install_kill_points(ks: KillSwitch, callback) -> None:
+    import fsspec.implementations.local as fs_local
+    import safetensors.torch
+    import transformers.modeling_utils
+
+    # transformers binds safe_save_file at its import, before any patch
+    install_export_kill_points(ks, callback, [(safetensors.torch, "save_file"),
+                                              (transformers.modeling_utils, "safe_save_file")])  # fmt: skip
+    write = fs_local.LocalFileOpener.write
+
+    def torn_write(self, data):  # Lightning writes each checkpoint with one write() through fsspec
+        if ks.hit("ckpt"):
+            write(self, data[: len(data) // 2])
+            self.flush()
+            _die()
+        return write(self, data)
+
+    fs_local.LocalFileOpener.write = torn_write
+
+
+def _canonical(obj):
+    """A pickled object's content in a form that does not depend on the process (sets sorted)."""
+    if isinstance(obj, dict):
+        return {str(k): _canonical(v) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(obj, (list, tuple)):
+        return [_canonical(v) for v in obj]
+    if isinstance(obj, (set, frozenset)):
+        return sorted(repr(_canonical(v)) for v in obj)
+    return repr(obj)
+
+
 def state_digest(module) -> dict[str, str]:
+    """sha256 of every tensor of the module's state, bytes for bytes. megatron-core's ``_extra_state`` (modelopt
+    pickles its quantizer state into it) is compared by content: pickle bytes vary between processes."""
+    import pickle
+
     import torch
 
-    return {k: hashlib.sha256(v.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-            for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}  # fmt: skip
+    def digest(k, v) -> str:
+        raw = v.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        if k.endswith("._extra_state") and raw:
+            raw = json.dumps(_canonical(pickle.loads(raw))).encode()  # nosec: our own process's state
+        return hashlib.sha256(raw).hexdigest()
+
+    return {k: digest(k, v) for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
 def main(run_dir: str, spec: str | None) -> None:

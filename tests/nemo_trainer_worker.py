@@ -6,8 +6,11 @@ A tiny NeMo 2.7.3 ``llm.GPTModel`` trained by ``nl.Trainer`` + ``nl.MegatronStra
 ``DEVICES=2`` (``TP=1`` or ``2``) runs two processes; each writes ``OUT.rank<N>`` with every
 quantizer's amax, so the test can compare ranks.
 
-``worker.py OUT [MODE CKPT]``: MODE ``full`` (default) trains ``STEPS`` steps; ``first`` trains
-``STEPS // 2`` and saves a NeMo (dist-)checkpoint to CKPT; ``resume`` continues from CKPT to ``STEPS``.
+``worker.py OUT [MODE CKPT [CKPT2]]``: MODE ``full`` (default) trains ``STEPS`` steps; ``pretrain`` trains
+``STEPS // 2`` steps without QAT and saves a NeMo (dist-)checkpoint to CKPT.
+QAD (``distillation=True``, one BF16 step then NVFP4): ``qad`` restores the base CKPT with ``RestoreConfig``
+(the teacher comes from it) and trains ``STEPS``; ``qad_first`` does the same for ``STEPS // 2`` and saves CKPT2;
+``qad_resume`` resumes CKPT2 without ``RestoreConfig`` (the teacher path comes back from the checkpoint).
 """
 
 from __future__ import annotations
@@ -25,53 +28,25 @@ if __name__ == "__main__":
     out = sys.argv[1]
     mode = sys.argv[2] if len(sys.argv) > 2 else "full"
     ckpt = sys.argv[3] if len(sys.argv) > 3 else None
+    save_to = sys.argv[4] if mode == "qad_first" else ckpt  # where the mid-run checkpoint goes
+    qad = mode.startswith("qad")
     from nemo_fp4qat.nemo import NeMoFP4QATCallback, megatron_cpu_mode, megatron_module
 
     with megatron_cpu_mode():
         import lightning.pytorch as pl
         import nemo.lightning as nl
         import torch
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        from megatron.core.optimizer import OptimizerConfig
-        from nemo.collections import llm
-        from nemo.collections.common.tokenizers.bytelevel_tokenizers import ByteLevelTokenizer
+        from nemo_tiny import tiny_gpt
 
-        torch.manual_seed(1234)
-
-        cfg = llm.GPTConfig(
-            num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, seq_length=32,
-            init_method_std=0.02, hidden_dropout=0.0, attention_dropout=0.0,  # deterministic: resume compares losses
-            use_cpu_initialization=True, bias_activation_fusion=False,
-            masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
-            apply_rope_fusion=False, gradient_accumulation_fusion=False,
-            share_embeddings_and_output_weights=False,  # an output layer of its own, as NeMo's Llama configs
-            transformer_layer_spec=get_gpt_layer_local_spec(),
-        )  # fmt: skip
-
-        class ResumableMockDataModule(llm.MockDataModule):
-            """MockDataModule plus the consumed-samples state NeMo's PreTrainingDataModule keeps, so a
-            resumed run continues the data stream where the checkpoint left it (NeMo's mock has none)."""
-
-            def state_dict(self):
-                return {"consumed_samples": self.data_sampler.compute_consumed_samples(self.trainer.global_step)}
-
-            def load_state_dict(self, state):
-                self.data_sampler.init_consumed_samples = state["consumed_samples"]
-                self.data_sampler.prev_consumed_samples = state["consumed_samples"]
-                self.data_sampler.if_first_step = 1
-
-        data = ResumableMockDataModule(seq_length=32, global_batch_size=2, micro_batch_size=2 * TP // DEVICES,
-                                  num_workers=0, pin_memory=False, tokenizer=ByteLevelTokenizer(),
-                                  create_attention_mask=True)  # fmt: skip
-        optim = nl.MegatronOptimizerModule(
-            config=OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0, use_distributed_optimizer=False)
-        )
-        model = llm.GPTModel(cfg, tokenizer=data.tokenizer, optim=optim)
+        model, data = tiny_gpt(tp=TP, devices=DEVICES)
+        stages = [{"start": 0, "format": "bf16"}, {"start": 1, "format": "target"}] if qad else [
+            {"start": 0, "format": "fp8"}, {"start": 2, "format": "target"}]  # fmt: skip
         qat = NeMoFP4QATCallback(
             policy="fp_embeddings",
-            schedule={"stages": [{"start": 0, "format": "fp8"}, {"start": 2, "format": "target"}]},
+            schedule={"stages": stages},
             calibration=4,
             export_dir=EXPORT_DIR,
+            distillation=True if qad else None,
         )
         seen: list[dict] = []
         marks: dict[str, list[float]] = {}
@@ -92,24 +67,51 @@ if __name__ == "__main__":
                 q = getattr(fc1_of(pl_module), "weight_quantizer", None)
                 if q is None:  # pretrain mode: no QAT
                     return
-                seen.append({"step": trainer.global_step, "num_bits": list(q.num_bits),
-                             "block": (q.block_sizes or {}).get(-1), "amax": float(q.amax)})  # fmt: skip
+                bits = q.num_bits if isinstance(q.num_bits, int) else list(q.num_bits)  # an int while BF16 (off)
+                seen.append({"step": trainer.global_step, "num_bits": bits, "enabled": q.is_enabled,
+                             "block": (q.block_sizes or {}).get(-1),
+                             "amax": None if q.amax is None else float(q.amax)})  # fmt: skip
 
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
                 losses[trainer.global_step] = float(trainer.callback_metrics["reduced_train_loss"])
-                if mode in ("first", "pretrain") and trainer.global_step == STEPS // 2:
+                if mode in ("pretrain", "qad_first") and trainer.global_step == STEPS // 2:
                     marks["saved_fc1"] = fingerprint(pl_module)
-                    trainer.save_checkpoint(ckpt)  # inside fit, where NeMo's ModelCheckpoint saves
+                    trainer.save_checkpoint(save_to)  # inside fit, where NeMo's ModelCheckpoint saves
 
-        max_steps = STEPS // 2 if mode in ("first", "pretrain") else STEPS
+            def on_train_end(self, trainer, pl_module):
+                # found through the trainer, not this script's global: NeMo pickles this class (and what its
+                # methods name) into the export's context
+                cb = next((c for c in trainer.callbacks if isinstance(c, NeMoFP4QATCallback)), None)
+                d = cb.qad_distiller if cb is not None else None
+                if d is None:  # not a QAD run
+                    return
+                # the per-token loss NeMo reduces, on a real batch, against a float64 KL of the two models' logits
+                b, mm = cb.controller.calib_batches[0], megatron_module(pl_module)
+                inputs = {"input_ids": b["tokens"], "position_ids": b["position_ids"],
+                          "attention_mask": b.get("attention_mask")}  # fmt: skip
+                with torch.no_grad():
+                    kd = mm(**inputs, labels=b["labels"])
+                    s_logits, t_logits = mm(**inputs).double(), d.teacher(**inputs).double()
+                p = torch.log_softmax(t_logits, -1)
+                ref = (p.exp() * (p - torch.log_softmax(s_logits, -1))).sum(-1)
+                w = d.teacher.decoder.layers[0].mlp.linear_fc1.weight.detach().double()
+                marks["qad_check"] = {"kd": kd.flatten().tolist(), "ref": ref.flatten().tolist(),
+                                      "logit_diff": float((s_logits - t_logits).abs().max()),
+                                      "teacher_fc1": [float(w.sum()), *w.flatten()[:4].tolist()],
+                                      "teacher_bytes": d.teacher_bytes(),
+                                      "student_bytes": sum(p.numel() * p.element_size() for p in mm.parameters()),
+                                      "teacher_path": cb.qad_teacher_path}  # fmt: skip
+
+        max_steps = STEPS // 2 if mode in ("pretrain", "qad_first") else STEPS
         strategy = nl.MegatronStrategy(ckpt_async_save=False, tensor_model_parallel_size=TP)
         trainer = nl.Trainer(accelerator="cpu", devices=DEVICES, max_steps=max_steps, strategy=strategy,
                              plugins=nl.MegatronMixedPrecision(precision="32"), logger=False,
                              callbacks=[Probe()] if mode == "pretrain" else [qat, Probe()],
                              enable_checkpointing=False, limit_val_batches=0, log_every_n_steps=1)  # fmt: skip
-        if mode == "finetune":  # QAT from a checkpoint trained without it, the way NeMo recipes load a base model
+        # QAT from a checkpoint trained without it, the way NeMo recipes load a base model
+        if mode in ("qad", "qad_first"):
             nl.AutoResume(restore_config=nl.RestoreConfig(path=ckpt, load_artifacts=False)).setup(trainer, model)
-        trainer.fit(model, data, ckpt_path=ckpt if mode == "resume" else None)
+        trainer.fit(model, data, ckpt_path=sys.argv[4] if mode == "qad_resume" else None)
         if mode == "pretrain":
             with open(out, "w") as f:
                 json.dump(marks, f)

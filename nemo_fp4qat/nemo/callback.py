@@ -21,6 +21,7 @@ import torch.nn as nn
 from lightning.pytorch.utilities import rank_zero_info
 
 from ..lightning.callback import CHECKPOINT_KEY, FP4QATCallback
+from ..qat.distillation import DistillationConfig
 
 __all__ = ["NeMoFP4QATCallback", "megatron_module", "nemo_gpt_forward"]
 
@@ -78,12 +79,22 @@ def nemo_gpt_forward(model: nn.Module, batch: dict[str, Any]) -> Any:
 
 
 class NeMoFP4QATCallback(FP4QATCallback):
-    """:class:`FP4QATCallback` preset for NeMo 2 Megatron GPT models (same arguments)."""
+    """:class:`FP4QATCallback` preset for NeMo 2 Megatron GPT models (same arguments).
+
+    ``distillation`` (QAD) here: the teacher is restored from the base checkpoint the recipe's
+    ``RestoreConfig`` loads (or ``distillation={"teacher": "/path/to/nemo_ckpt"}``) and its per-token KL
+    replaces the cross entropy under NeMo's own loss reduction (:mod:`nemo_fp4qat.nemo.distillation`).
+    """
 
     def __init__(self, **kwargs: Any) -> None:
         kwargs.setdefault("module_getter", megatron_module)
         kwargs.setdefault("forward_fn", nemo_gpt_forward)
+        # QAD is set up at on_train_start, after NeMo has restored the weights, not with the quantizers
+        distillation = DistillationConfig.resolve_spec(kwargs.pop("distillation", None))
         super().__init__(**kwargs)
+        self.qad = distillation
+        self.qad_teacher_path: str | None = None  # saved with the callback state: a resume rebuilds the teacher
+        self.qad_distiller: Any = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         from nemo.lightning import MegatronStrategy
@@ -91,6 +102,14 @@ class NeMoFP4QATCallback(FP4QATCallback):
         super().setup(trainer, pl_module, stage)
         if stage != "fit" or not isinstance(trainer.strategy, MegatronStrategy):
             return
+        self._keep_final_checkpoint_resumable(trainer)
+        tp, pp = trainer.strategy.tensor_model_parallel_size, trainer.strategy.pipeline_model_parallel_size
+        if self.qad is not None and (tp > 1 or pp > 1):
+            raise ValueError(
+                f"distillation (QAD) with tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}: "
+                "NeMoFP4QATCallback distils at TP=1 and PP=1 (its per-token KL needs the whole vocabulary); "
+                "use data parallelism, or NeMo's llm.distill for a model-parallel teacher."
+            )
 
         # MegatronStrategy.load_checkpoint builds the sharded state dict to load from the model as it
         # is: quantizers must already be in the checkpoint's formats, with its amax buffers, or their
@@ -104,6 +123,69 @@ class NeMoFP4QATCallback(FP4QATCallback):
             return load_checkpoint
 
         self.patches.patch(trainer.strategy, "load_checkpoint", make)
+
+    def _keep_final_checkpoint_resumable(self, trainer: pl.Trainer) -> None:
+        """With an end-of-fit export, make NeMo's final checkpoint a full one. By default NeMo's
+        ``ModelCheckpoint`` saves it weights-only (``save_optim_on_train_end=False``): no optimizer state and no
+        callback state, so a run killed during the export cannot be resumed from it (``AutoResume`` picks it and
+        ``MegatronStrategy.load_checkpoint`` fails on the missing optimizer tensors), and even a loadable one
+        would not say that the quantizers were calibrated and the schedule finished."""
+        from nemo.lightning.pytorch.callbacks import ModelCheckpoint
+
+        if self.export_dir is None:
+            return
+        for cb in trainer.callbacks:
+            if isinstance(cb, ModelCheckpoint) and not cb.save_optim_on_train_end:
+                cb.save_optim_on_train_end = True
+                rank_zero_info(
+                    "nemo_fp4qat: ModelCheckpoint(save_optim_on_train_end=True) so that a run killed while it exports "
+                    f"to {self.export_dir} resumes from its final checkpoint (NeMo saves that one weights-only)"
+                )
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.qad is not None and self.qad_distiller is None:
+            self._start_distillation(trainer, pl_module)
+        super().on_train_start(trainer, pl_module)
+
+    def _start_distillation(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from .distillation import MegatronDistiller, build_teacher
+
+        assert self.qad is not None
+        restore = getattr(trainer.strategy, "restore_config", None)
+        path = (
+            (str(self.qad.teacher) if self.qad.teacher is not None else None)
+            or self.qad_teacher_path
+            or (str(restore.path) if restore is not None and getattr(restore, "path", None) else None)
+        )
+        if path is None and trainer.ckpt_path:
+            raise ValueError(
+                "distillation (QAD): resuming a run whose teacher was a copy of the model before quantization, which "
+                "no checkpoint holds; give the BF16 model as distillation={'teacher': '/path/to/nemo_checkpoint'} "
+                "(or start the run from it with RestoreConfig, whose path is then saved for resumes)."
+            )
+        student = self.target_module(pl_module)
+        # the teacher is built from the student's config, which quantization switched to per-layer checkpoint keys
+        with _layer_layout_of(student, path) if path else contextlib.nullcontext():
+            teacher = build_teacher(pl_module, trainer, student, path)
+        self.qad_teacher_path = path
+        self.qad_distiller = MegatronDistiller(student, teacher, self.qad, self.patches)
+        source = f"restored from {path}" if path else "a copy of the model before calibration, quantizers off"
+        rank_zero_info(
+            f"nemo_fp4qat: QAD teacher ({source}) holds {self.qad_distiller.teacher_bytes() / 2**20:.1f} MiB "
+            f"(alpha {self.qad.alpha}, T {self.qad.temperature})"
+        )
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.qad_distiller is not None:
+            self.qad_distiller.remove()
+            self.qad_distiller = None
+        super().teardown(trainer, pl_module, stage)
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        super().on_save_checkpoint(trainer, pl_module, checkpoint)
+        checkpoint[CHECKPOINT_KEY]["qad_teacher_path"] = self.qad_teacher_path  # read back by match_checkpoint
 
     def export_model(self, pl_module: pl.LightningModule, out_dir: str) -> Any:
         """The deployable artifact at the end of ``fit`` (``export_dir``): a TensorRT-LLM checkpoint (qnemo).
@@ -139,6 +221,7 @@ class NeMoFP4QATCallback(FP4QATCallback):
         saved = dist_checkpointing.load_common_state_dict(str(weights)).get(CHECKPOINT_KEY)
         if saved is None:
             return False
+        self.qad_teacher_path = self.qad_teacher_path or saved.get("qad_teacher_path")
         module = self.target_module(pl_module)
         names = dict(module.named_modules())
         buffers: dict[str, torch.Tensor] = {}

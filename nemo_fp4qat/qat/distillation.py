@@ -21,7 +21,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["DistillationConfig", "Distiller", "kd_loss"]
+__all__ = ["DistillationConfig", "Distiller", "is_nemo_checkpoint", "kd_loss", "kd_per_token"]
+
+
+def is_nemo_checkpoint(path: str | Path) -> bool:
+    """A NeMo 2 checkpoint directory (``weights/`` dist-checkpoint beside ``context/``)."""
+    return (Path(path) / "weights").is_dir()
 
 
 @dataclass
@@ -30,8 +35,9 @@ class DistillationConfig:
     alpha: weight of the KL term (1.0: distillation only, the QAD default; 0.0: plain QAT).
     temperature: softmax temperature of both distributions (NVIDIA's QAD recipe: 1).
     teacher: the full-precision teacher. ``None``: a frozen copy of the model as it stands before
-        quantization (QAD started from a fine-tuned model: the fine-tune teaches its own PTQ); a
-        Hugging Face model directory (e.g. the BF16 fine-tune saved elsewhere); or an ``nn.Module``.
+        quantization (QAD started from a fine-tuned model: the fine-tune teaches its own PTQ; on the NeMo
+        path, the base checkpoint a recipe's ``RestoreConfig`` loads); a Hugging Face model directory (e.g.
+        the BF16 fine-tune saved elsewhere); a NeMo 2 checkpoint directory (NeMo path); or an ``nn.Module``.
     """
 
     alpha: float = 1.0
@@ -43,10 +49,13 @@ class DistillationConfig:
             raise ValueError(f"distillation alpha must be in [0, 1], got {self.alpha}")
         if self.temperature <= 0:
             raise ValueError(f"distillation temperature must be > 0, got {self.temperature}")
-        if isinstance(self.teacher, (str, Path)) and not (Path(self.teacher) / "config.json").is_file():
+        if isinstance(self.teacher, (str, Path)) and not (
+            (Path(self.teacher) / "config.json").is_file() or is_nemo_checkpoint(self.teacher)
+        ):
             raise ValueError(
-                f"distillation teacher {str(self.teacher)!r} is not a Hugging Face model directory (no config.json); "
-                "give the BF16 model's folder, an nn.Module, or None for a copy of the model before quantization."
+                f"distillation teacher {str(self.teacher)!r} is neither a Hugging Face model directory (no "
+                "config.json) nor a NeMo 2 checkpoint (no weights/); give the BF16 model's folder, an nn.Module, "
+                "or None for a copy of the model before quantization."
             )
         if self.teacher is not None and not isinstance(self.teacher, (str, Path, nn.Module)):
             raise ValueError(
@@ -81,11 +90,25 @@ def kd_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float = 1
     return F.kl_div(s, p, log_target=True, reduction="batchmean") * (t * t)
 
 
+def kd_per_token(student: torch.Tensor, teacher: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``T^2 * KL(p_teacher || p_student)`` at each position (shape ``student.shape[:-1]``), in float32:
+    what a per-token loss reduction (NeMo's masked-token mean) takes in place of the cross entropy."""
+    t = temperature
+    s = F.log_softmax(student.float() / t, dim=-1)
+    p = F.log_softmax(teacher.float() / t, dim=-1)
+    return (p.exp() * (p - s)).sum(-1) * (t * t)
+
+
 def _load_teacher(spec: Any, student: nn.Module) -> nn.Module:
     if spec is None:
         return copy.deepcopy(student)
     if isinstance(spec, nn.Module):
         return copy.deepcopy(spec)
+    if is_nemo_checkpoint(spec):
+        raise ValueError(
+            f"distillation teacher {str(spec)!r} is a NeMo checkpoint, which only the NeMo path loads: use "
+            "NeMoFP4QATCallback with a NeMo model, or give this model's teacher as a Hugging Face directory."
+        )
     from transformers import AutoModelForCausalLM
 
     dtype = next((p.dtype for p in student.parameters() if p.is_floating_point()), torch.float32)

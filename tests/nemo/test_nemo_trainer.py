@@ -1,5 +1,5 @@
-"""NeMo 2.7.3 Megatron training (nl.Trainer + MegatronStrategy, CPU mode) with FP4 QAT, and a
-NeMo dist-checkpoint save / resume that continues with the same stage, quantizers and losses."""
+"""NeMo 2.7.3 Megatron training (nl.Trainer + MegatronStrategy, CPU mode) with FP4 QAT and QAD, and a
+NeMo dist-checkpoint save / resume that continues with the same stage, quantizers, teacher and losses."""
 
 from __future__ import annotations
 
@@ -66,24 +66,6 @@ def test_nemo_callback_writes_a_validated_trtllm_checkpoint_at_the_end_of_fit(tm
     assert validate_export(out).ok  # what `nemo-fp4qat validate` checks without the model
 
 
-def test_nemo_checkpoint_resume_continues_stage_quantizers_and_losses(tmp_path):
-    pytest.importorskip("nemo.collections.llm")
-    ckpt = tmp_path / "ckpt"
-    full = _run(tmp_path, "full", steps=6)
-    first = _run(tmp_path, "first", "first", str(ckpt), steps=6)
-    assert (ckpt / "weights" / "modelopt_state").exists()  # NeMo saved modelopt's state with the weights
-    resumed = _run(tmp_path, "resume", "resume", str(ckpt), steps=6)
-    # the first half switched to NVFP4 at step 2; the resumed run starts in NVFP4 with the saved amax
-    assert first["final_num_bits"] == [2, 1]
-    assert resumed["seen"][0]["step"] == 3 and resumed["seen"][0]["num_bits"] == [2, 1]
-    assert resumed["seen"][0]["block"] == 16
-    assert resumed["seen"][0]["amax"] == first["final_amax"]
-    assert [e["to"] for e in resumed["history"]] == ["nvfp4"]  # the schedule history came back, no new switch
-    # and the same losses as the uninterrupted run
-    for step in ("4", "5", "6"):  # global step after each optimizer step
-        assert resumed["losses"][step] == pytest.approx(full["losses"][step], rel=1e-6), (step, resumed, full)
-
-
 @pytest.mark.parametrize("tp", [1, 2], ids=["data-parallel", "tensor-parallel"])
 def test_two_process_run_keeps_stage_and_amax_identical_across_ranks(tmp_path, tp):
     """Two gloo processes (DP 2, or TP 2): every rank switches at the same step and ends with the same
@@ -100,14 +82,39 @@ def test_two_process_run_keeps_stage_and_amax_identical_across_ranks(tmp_path, t
     assert r0["losses"] == r1["losses"] and all(math.isfinite(x) for x in r0["losses"].values())
 
 
-def test_qat_fine_tune_restores_a_base_checkpoint_saved_without_quantizers(tmp_path):
-    """The NeMo recipe path: a base model trained and saved without QAT (stacked-layer dist-checkpoint),
-    restored by ``AutoResume(restore_config=RestoreConfig(...))`` into a model the callback has already
-    quantized (modelopt switches it to per-layer checkpoint keys). The weights must arrive, then QAT runs."""
+def test_qad_fine_tune_from_a_base_checkpoint_restores_student_and_teacher_and_distils(tmp_path):
+    """The NeMo recipe path: a base model trained and saved without QAT (stacked-layer dist-checkpoint), restored
+    by ``AutoResume(restore_config=RestoreConfig(...))`` into a model the callback has already quantized
+    (modelopt switches it to per-layer checkpoint keys): the weights arrive, then QAT runs. With QAD
+    (``distillation=True``) the teacher is that base checkpoint too (not the randomly initialised model the
+    quantizers were inserted into); its per-token KL replaces the cross entropy under NeMo's own loss reduction
+    (0 while the student is still BF16), checked against a float64 KL of the two models' logits; a resume without
+    ``RestoreConfig`` finds the teacher again and continues exactly."""
     pytest.importorskip("nemo.collections.llm")
-    ckpt = tmp_path / "base"
-    base = _run(tmp_path, "pretrain", "pretrain", str(ckpt), steps=4)
-    ft = _run(tmp_path, "finetune", "finetune", str(ckpt), steps=4)
-    assert ft["start_fc1"] == base["saved_fc1"]  # the base weights, not a fresh initialisation
-    assert [s["num_bits"] for s in ft["seen"]] == [[4, 3], [4, 3], [2, 1], [2, 1]]
-    assert ft["calibrated"] and all(math.isfinite(x) for x in ft["losses"].values())
+    base_ckpt, mid_ckpt = tmp_path / "base", tmp_path / "mid"
+    base = _run(tmp_path, "pretrain", "pretrain", str(base_ckpt), steps=4)
+    qad = _run(tmp_path, "qad", "qad", str(base_ckpt), steps=4)
+    check = qad["qad_check"]
+    assert qad["start_fc1"] == base["saved_fc1"]  # the base weights, not a fresh initialisation
+    assert [(s["enabled"], s["num_bits"], s["block"]) for s in qad["seen"]] == [(False, 8, None)] + [
+        (True, [2, 1], 16)] * 3  # fmt: skip
+    assert qad["calibrated"]
+    assert check["teacher_fc1"] == base["saved_fc1"]
+    assert check["teacher_path"] == str(base_ckpt)
+    assert check["teacher_bytes"] == check["student_bytes"] > 0  # the memory cost logged: one more model
+    assert qad["losses"]["1"] == pytest.approx(0.0, abs=1e-6)  # step 0 in BF16: student == teacher
+    assert all(0 < qad["losses"][str(s)] < 1.0 for s in (2, 3, 4))  # NVFP4: a KL, far below the LM loss
+    assert check["logit_diff"] > 0
+    # float32 KL of near-equal distributions (~5e-4 per token) against float64: a few 1e-7 of cancellation
+    assert check["kd"] == pytest.approx(check["ref"], abs=2e-6) and max(check["ref"]) > 1e-4
+    # a NeMo dist-checkpoint mid-run, resumed: the stage, quantizers, teacher and losses continue
+    first = _run(tmp_path, "qad_first", "qad_first", str(base_ckpt), str(mid_ckpt), steps=4)
+    assert (mid_ckpt / "weights" / "modelopt_state").exists()  # NeMo saved modelopt's state with the weights
+    resumed = _run(tmp_path, "qad_resume", "qad_resume", str(base_ckpt), str(mid_ckpt), steps=4)
+    assert resumed["seen"][0]["step"] == 2 and resumed["seen"][0]["num_bits"] == [2, 1]
+    assert resumed["seen"][0]["block"] == 16 and resumed["seen"][0]["amax"] == first["final_amax"]
+    assert [e["to"] for e in resumed["history"]] == ["nvfp4"]  # the schedule history came back, no new switch
+    assert resumed["qad_check"]["teacher_path"] == str(base_ckpt)
+    assert resumed["qad_check"]["teacher_fc1"] == base["saved_fc1"]
+    for step in ("3", "4"):
+        assert resumed["losses"][step] == pytest.approx(qad["losses"][step], rel=1e-6), (step, resumed, qad)

@@ -54,7 +54,7 @@ BAD = [
     ("policy file", lambda: LayerPolicy.resolve_spec("nope.yaml"), r"'nope.yaml' does not exist"),
     ("distill alpha", lambda: DistillationConfig(alpha=2), r"alpha must be in \[0, 1\]"),
     ("distill temperature", lambda: DistillationConfig(temperature=0), r"temperature must be > 0"),
-    ("distill teacher", lambda: DistillationConfig(teacher="/nonexistent"), r"not a Hugging Face model directory"),
+    ("distill teacher", lambda: DistillationConfig(teacher="/nonexistent"), r"neither a Hugging Face.*nor a NeMo 2"),
     ("distill word", lambda: FP4QATCallback(distillation="lots"), r"distillation='lots' is not understood"),
     ("monitor action", lambda: QuantizationMonitor(action="explode"), r"action must be one of"),
     ("monitor cadence", lambda: QuantizationMonitor(every_n_steps=0), r"every_n_steps must be a positive int"),

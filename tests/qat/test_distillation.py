@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nemo_fp4qat import DistillationConfig, FP4QATCallback
-from nemo_fp4qat.qat.distillation import kd_loss
+from nemo_fp4qat.qat.distillation import Distiller, kd_loss, kd_per_token
 
 from tiny_models import LitLM, MegatronStyleGPT, PatternTokens, loader
 
@@ -29,6 +29,28 @@ def test_kd_loss_is_the_temperature_scaled_kl():
     assert float(kd_loss(t, t)) == pytest.approx(0.0, abs=1e-6)
     with pytest.raises(ValueError, match="alpha"):
         DistillationConfig(alpha=1.5)
+
+
+def test_kd_per_token_is_the_kl_of_teacher_to_student_at_each_position():
+    """What the NeMo path puts in place of the per-token cross entropy: KL(teacher || student) per position
+    (not the reverse, which differs on distinct distributions), whose mean is kd_loss."""
+    g = torch.Generator().manual_seed(3)
+    s, t = torch.randn(2, 5, 13, generator=g) * 3, torch.randn(2, 5, 13, generator=g) * 3
+    ps, pt = torch.softmax(s.double() / 1.5, -1), torch.softmax(t.double() / 1.5, -1)
+    ref = (pt * (pt.log() - ps.log())).sum(-1) * 1.5**2
+    reverse = (ps * (ps.log() - pt.log())).sum(-1) * 1.5**2
+    got = kd_per_token(s, t, 1.5)
+    assert got.shape == (2, 5) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(got.double(), reverse, rtol=1e-2)
+    assert float(got.mean()) == pytest.approx(float(kd_loss(s, t, 1.5)), rel=1e-5)
+
+
+def test_a_nemo_checkpoint_teacher_is_refused_outside_the_nemo_path(tmp_path):
+    (tmp_path / "weights").mkdir()  # what a NeMo 2 checkpoint holds beside context/
+    cfg = DistillationConfig(teacher=str(tmp_path))  # accepted: the NeMo callback loads it
+    with pytest.raises(ValueError, match="NeMo checkpoint, which only the NeMo path loads"):
+        Distiller(torch.nn.Linear(2, 2), cfg)
 
 
 def test_training_loss_is_kd_against_the_unquantized_teacher():

@@ -1,0 +1,48 @@
+"""A tiny NeMo 2.7.3 ``llm.GPTModel`` and a resumable mock data module, for the NeMo worker processes
+(``nemo_trainer_worker.py``, ``kill_resume_nemo_worker.py``). Call inside ``megatron_cpu_mode()``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def tiny_gpt(tp: int = 1, devices: int = 1, seq_length: int = 32) -> tuple[Any, Any]:
+    """(model, data): 2 layers, hidden 64, an untied output layer (as NeMo's Llama configs), dropout off so
+    resumed runs can be compared loss for loss, fusions off (CPU)."""
+    import torch
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig
+    from nemo import lightning as nl
+    from nemo.collections import llm
+    from nemo.collections.common.tokenizers.bytelevel_tokenizers import ByteLevelTokenizer
+
+    torch.manual_seed(1234)
+    cfg = llm.GPTConfig(
+        num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, seq_length=seq_length,
+        init_method_std=0.02, hidden_dropout=0.0, attention_dropout=0.0,
+        use_cpu_initialization=True, bias_activation_fusion=False,
+        masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        share_embeddings_and_output_weights=False,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+    )  # fmt: skip
+
+    class ResumableMockDataModule(llm.MockDataModule):
+        """MockDataModule plus the consumed-samples state NeMo's PreTrainingDataModule keeps, so a
+        resumed run continues the data stream where the checkpoint left it (NeMo's mock has none)."""
+
+        def state_dict(self):
+            return {"consumed_samples": self.data_sampler.compute_consumed_samples(self.trainer.global_step)}
+
+        def load_state_dict(self, state):
+            self.data_sampler.init_consumed_samples = state["consumed_samples"]
+            self.data_sampler.prev_consumed_samples = state["consumed_samples"]
+            self.data_sampler.if_first_step = 1
+
+    data = ResumableMockDataModule(seq_length=seq_length, global_batch_size=2, micro_batch_size=2 * tp // devices,
+                                   num_workers=0, pin_memory=False, tokenizer=ByteLevelTokenizer(),
+                                   create_attention_mask=True)  # fmt: skip
+    optim = nl.MegatronOptimizerModule(
+        config=OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0, use_distributed_optimizer=False)
+    )
+    return llm.GPTModel(cfg, tokenizer=data.tokenizer, optim=optim), data
