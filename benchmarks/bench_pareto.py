@@ -9,7 +9,7 @@ schedule), with its PTQ, and renders every row of both files against its bits pe
 (block scales included, weighted by SmolLM2's layer sizes; ``lm_head`` is tied to the embeddings
 and stays in full precision in every row, so it is left out).
 
-Run: ``.venv-core/bin/python benchmarks/bench_pareto.py [--seeds 0 1 2] [--quick]`` (about 6 minutes per
+Run: ``.venv-core/bin/python benchmarks/bench_pareto.py [--seeds 0 1 2] [--merge] [--quick]`` (about 6 minutes per
 seed on 2 cores), part of ``make bench-accuracy``; ``--render`` only redraws from the results files.
 Writes ``benchmarks/results/pareto.{json,md,png}``.
 """
@@ -170,6 +170,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--quick", action="store_true", help="4-step smoke run; writes to runs/, not results/")
     ap.add_argument("--render", action="store_true", help="only redraw from the results files")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the seeds pareto.json holds (same config and machine); run only the others")  # fmt: skip
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     cfg = DemoConfig.quick() if args.quick else DemoConfig()
@@ -183,7 +185,15 @@ def main() -> None:
         bits = {p: linear_bits(data.base, p) for p in {"fp_embeddings", "conservative_attention", "nvfp4_w4a8"}}
         bits["bf16"] = 16.0
         pareto = {"machine": machine(), "config": vars(cfg), "bits": bits, "seeds": {}}
-        for seed in args.seeds:
+        old = json.loads((dest / "pareto.json").read_text()) if (dest / "pareto.json").is_file() else None
+        if args.merge and old is not None:
+            same = {k: old.get(k) == pareto[k] for k in ("machine", "config", "bits")}
+            if not all(same.values()):
+                differs = [k for k, v in same.items() if not v]
+                raise SystemExit(f"--merge: pareto.json was measured with another {differs}; run without --merge "
+                                 "to measure every seed afresh")  # fmt: skip
+            pareto["seeds"] = old["seeds"]
+        for seed in (s for s in args.seeds if str(s) not in pareto["seeds"]):
             pareto["seeds"][str(seed)] = run_seed(seed, cfg, out)
             (dest / "pareto.json").write_text(json.dumps(pareto, indent=1))  # a stopped run keeps its seeds
     entries = collect(pareto, RESULTS_DIR / "accuracy_seeds.json", pareto["bits"])

@@ -5,7 +5,8 @@
 The way a NeMo user trains: ``llm.train`` with a tiny ``llm.GPTModel`` on ``nl.Trainer`` +
 ``MegatronStrategy`` (CPU mode), ``NeMoFP4QATCallback`` (three precision switches, the switch to NVFP4
 recalibrating), NeMo's own ``ModelCheckpoint`` (dist-checkpoints every 2 steps plus ``-last``, each marked
-unfinished until complete) behind ``NeMoLogger``, ``AutoResume(resume_if_exists=True)``, and a TensorRT-LLM
+unfinished until complete) behind ``NeMoLogger``, ``QATAutoResume(resume_if_exists=True)`` (NeMo's
+``AutoResume``, plus a resume when the first ``-last`` checkpoint was torn), and a TensorRT-LLM
 checkpoint exported at the end of fit. With ``EVENT:N`` the process SIGKILLs itself at the N-th occurrence
 of EVENT in this process:
 
@@ -86,7 +87,7 @@ class Record(pl.Callback):
 
 
 def main(run_dir: str, spec: str | None) -> None:
-    from nemo_fp4qat.nemo import NeMoFP4QATCallback, megatron_cpu_mode, megatron_module
+    from nemo_fp4qat.nemo import NeMoFP4QATCallback, QATAutoResume, megatron_cpu_mode, megatron_module
 
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
@@ -109,7 +110,7 @@ def main(run_dir: str, spec: str | None) -> None:
         ckpt = nl.ModelCheckpoint(dirpath=str(run / "ckpt"), filename="{step}", every_n_train_steps=2,
                                   monitor="reduced_train_loss", save_top_k=-1, save_last=True)  # fmt: skip
         log = nl.NeMoLogger(log_dir=str(run / "log"), name="qat", use_datetime_version=False, ckpt=ckpt)
-        resume = nl.AutoResume(resume_if_exists=True, resume_ignore_no_checkpoint=True,
+        resume = QATAutoResume(resume_if_exists=True, resume_ignore_no_checkpoint=True,
                                resume_from_directory=str(run / "ckpt"))  # fmt: skip
         llm.train(model, data, trainer, log=log, resume=resume)
         final = {

@@ -10,6 +10,7 @@ from .recipes import with_fp4_qat
 
 __all__ = [
     "NeMoFP4QATCallback",
+    "QATAutoResume",
     "cpu_mode_active",
     "import_hf_llama",
     "load_nemo_llama",
@@ -21,3 +22,12 @@ __all__ = [
     "smollm2_nemo_checkpoint",
     "with_fp4_qat",
 ]
+
+
+def __getattr__(name: str):
+    # QATAutoResume subclasses NeMo's AutoResume: imported on first use, so this package loads without NeMo
+    if name == "QATAutoResume":
+        from .resume import QATAutoResume
+
+        return QATAutoResume
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,6 +20,9 @@ def test_recipe_gets_the_callback_and_builds(tmp_path):
     before = len(recipe.trainer.callbacks or [])
     with_fp4_qat(recipe, policy="trtllm_mixed", schedule="direct", calibration=128, monitor={"every_n_steps": 25})
     assert len(recipe.trainer.callbacks) == before + 2
+    resume = fdl.build(recipe.resume)
+    assert type(resume).__name__ == "QATAutoResume"
+    assert resume.restore_config.path == "nemo://meta-llama/Llama-3.2-1B"  # the recipe's arguments kept
     recipe.trainer.accelerator = "cpu"  # recipes default to GPUs; this machine has none
     trainer = fdl.build(recipe.trainer)
     qat = [c for c in trainer.callbacks if isinstance(c, NeMoFP4QATCallback)]
