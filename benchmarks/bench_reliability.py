@@ -81,7 +81,8 @@ def main(nemo_python: str | None) -> dict:
         "export at the end",
         "nemo": "NeMo path: `llm.train` of a tiny `llm.GPTModel` (MegatronStrategy, CPU mode) with "
         "`NeMoFP4QATCallback` (three switches), NeMo's `ModelCheckpoint` dist-checkpoints every 2 of 8 steps "
-        "behind `NeMoLogger`, `AutoResume(resume_if_exists=True)`, TensorRT-LLM export at the end",
+        "behind `NeMoLogger`, `QATAutoResume(resume_if_exists=True)` (NeMo's `AutoResume` plus a resume when the "
+        "first `-last` checkpoint is torn), TensorRT-LLM export at the end",
     }
     lines = [
         "## Reliability (`make reliability`, written by benchmarks/bench_reliability.py)",
