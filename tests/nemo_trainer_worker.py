@@ -23,6 +23,9 @@ STEPS = int(os.environ.get("STEPS", "4"))
 DEVICES = int(os.environ.get("DEVICES", "1"))  # > 1: processes on gloo (Lightning launches the others)
 TP = int(os.environ.get("TP", "1"))  # tensor parallel size; data parallel = DEVICES // TP
 EXPORT_DIR = os.environ.get("EXPORT_DIR")  # set: the callback exports a TRT-LLM checkpoint at the end of fit
+# set: a QuantizationMonitor (measuring every 2 steps) watches the run, and at this step an Inf is put into the
+# input of layer 0's linear_fc2 (as the Lightning test in test_monitor.py does)
+INJECT_INF_STEP = int(os.environ["INJECT_INF_STEP"]) if os.environ.get("INJECT_INF_STEP") else None
 
 if __name__ == "__main__":
     out = sys.argv[1]
@@ -102,11 +105,36 @@ if __name__ == "__main__":
                                       "student_bytes": sum(p.numel() * p.element_size() for p in mm.parameters()),
                                       "teacher_path": cb.qad_teacher_path}  # fmt: skip
 
+        class InjectInf(pl.Callback):
+            handle = None
+
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                if trainer.global_step == INJECT_INF_STEP:
+
+                    def inject(module, args):
+                        x = args[0].clone()
+                        x.view(-1)[7] = float("inf")
+                        return (x, *args[1:])
+
+                    layer = megatron_module(pl_module).decoder.layers[0].mlp.linear_fc2
+                    self.handle = layer.register_forward_pre_hook(inject)
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                if self.handle is not None:
+                    self.handle.remove()
+                    self.handle = None
+
+        extra = []
+        if INJECT_INF_STEP is not None:
+            from nemo_fp4qat import QuantizationMonitor
+
+            monitor = QuantizationMonitor(every_n_steps=2, module_getter=megatron_module)
+            extra = [monitor, InjectInf()]
         max_steps = STEPS // 2 if mode in ("pretrain", "qad_first") else STEPS
         strategy = nl.MegatronStrategy(ckpt_async_save=False, tensor_model_parallel_size=TP)
         trainer = nl.Trainer(accelerator="cpu", devices=DEVICES, max_steps=max_steps, strategy=strategy,
                              plugins=nl.MegatronMixedPrecision(precision="32"), logger=False,
-                             callbacks=[Probe()] if mode == "pretrain" else [qat, Probe()],
+                             callbacks=[Probe()] if mode == "pretrain" else [qat, Probe(), *extra],
                              enable_checkpointing=False, limit_val_batches=0, log_every_n_steps=1)  # fmt: skip
         # QAT from a checkpoint trained without it, the way NeMo recipes load a base model
         if mode in ("qad", "qad_first"):
@@ -126,4 +154,6 @@ if __name__ == "__main__":
             tp = parallel_state.get_tensor_model_parallel_world_size()
             json.dump({**marks, "tp": tp, "amax": amax, "seen": seen, "history": qat.controller.history,
                        "calibrated": qat.controller.calibrated, "losses": losses, "final_amax": float(final_q.amax),
-                       "final_num_bits": list(final_q.num_bits)}, f)  # fmt: skip
+                       "final_num_bits": list(final_q.num_bits),
+                       "nonfinite": [[f.layer, f.step, f.metric, f.value] for f in monitor.findings
+                                     if f.problem == "nonfinite"] if extra else None}, f)  # fmt: skip

@@ -18,7 +18,7 @@ from paths import TESTS
 pytestmark = pytest.mark.nemo
 
 
-def _run(tmp_path, name, *args, steps=4, devices=1, tp=1, export_dir=None):
+def _run(tmp_path, name, *args, steps=4, devices=1, tp=1, export_dir=None, **env_extra):
     out = tmp_path / f"{name}.json"
     worker = TESTS / "nemo_trainer_worker.py"
     port = free_port()  # a fresh port: this pytest process may already hold MASTER_PORT
@@ -26,6 +26,7 @@ def _run(tmp_path, name, *args, steps=4, devices=1, tp=1, export_dir=None):
            "DEVICES": str(devices), "TP": str(tp)}  # fmt: skip
     if export_dir:
         env["EXPORT_DIR"] = str(export_dir)
+    env.update({k: str(v) for k, v in env_extra.items()})
     proc = subprocess.run([sys.executable, str(worker), str(out), *args], capture_output=True, text=True,
                           timeout=900, cwd=tmp_path, env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -64,6 +65,16 @@ def test_nemo_callback_writes_a_validated_trtllm_checkpoint_at_the_end_of_fit(tm
     from nemo_fp4qat.export import validate_export
 
     assert validate_export(out).ok  # what `nemo-fp4qat validate` checks without the model
+
+
+def test_an_inf_in_one_activation_is_reported_on_the_nemo_path(tmp_path):
+    """The NeMo path's twin of test_monitor's Inf test: NVFP4 clips an Inf put into one activation (the loss
+    stays finite), and QuantizationMonitor names the layer and the step, on a step it does not measure."""
+    pytest.importorskip("nemo.collections.llm")
+    out = _run(tmp_path, "inf", steps=5, INJECT_INF_STEP=3)
+    assert all(math.isfinite(x) for x in out["losses"].values()), out["losses"]
+    assert [(layer.endswith("decoder.layers.0.mlp.linear_fc2"), step, metric, value)
+            for layer, step, metric, value in out["nonfinite"]] == [(True, 3, "input_nonfinite", 1.0)]  # fmt: skip
 
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["data-parallel", "tensor-parallel"])

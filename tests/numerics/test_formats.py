@@ -39,12 +39,21 @@ def test_format_is_read_back_from_the_quantizer_modelopt_built(name):
     assert format_of_quantizer(None) is FULL_PRECISION
 
 
-def test_a_quantizer_no_format_describes_is_refused_by_name():
+@pytest.mark.parametrize(
+    "fmt,change",
+    [("fp8", {"num_bits": (3, 2)}),  # FP6 without a block
+     # NVFP4's elements and block with MX's E8M0 scales: block and scale must both match, not either
+     ("nvfp4", {"block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (8, 0)}}),
+     ("mxfp4", {"block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (8, 0)}})],
+    ids=["fp6-unblocked", "nvfp4-with-e8m0-scales", "mxfp4-with-16-blocks"],
+)  # fmt: skip
+def test_a_quantizer_no_format_describes_is_refused_by_name(fmt, change):
     import modelopt.torch.quantization as mtq
 
     model = nn.Sequential(nn.Linear(64, 64))
-    mtq.quantize(model, build_quant_cfg({"0": ("fp8", "bf16")}, algorithm=None), forward_loop=None)
-    model[0].weight_quantizer.num_bits = (3, 2)  # FP6 without a block: no registered format
+    mtq.quantize(model, build_quant_cfg({"0": (fmt, "bf16")}, algorithm=None), forward_loop=None)
+    for attr, value in change.items():
+        setattr(model[0].weight_quantizer, attr, value)
     with pytest.raises(ValueError, match="matches no registered format; add it to formats.py"):
         format_of_quantizer(model[0].weight_quantizer)
 
