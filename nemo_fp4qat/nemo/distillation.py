@@ -17,7 +17,6 @@ NeMo's ``llm.distill`` implements.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from typing import Any
 
@@ -67,7 +66,6 @@ class MegatronDistiller:
         self.teacher = teacher  # a plain attribute: never part of the student's state dict or optimizer
         self._inputs: tuple[tuple, dict] | None = None
         self._hook = student.register_forward_pre_hook(self._capture, with_kwargs=True)
-        self.last: dict[str, float] = {}
         patches.patch(student, "compute_language_model_loss", self._make_loss)
 
     def _capture(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -86,12 +84,10 @@ class MegatronDistiller:
             with torch.no_grad():
                 teacher_logits = self.teacher(*args, **kwargs)  # [b, s, v] without labels
             kd = kd_per_token(logits.transpose(0, 1), teacher_logits, self.cfg.temperature)  # [b, s]
-            self.last = {"kd": float(kd.detach().mean())}
             a = self.cfg.alpha
             return a * kd + (1.0 - a) * original(labels, logits) if a < 1.0 else kd
 
         return compute_language_model_loss
 
     def remove(self) -> None:
-        with contextlib.suppress(Exception):
-            self._hook.remove()
+        self._hook.remove()
