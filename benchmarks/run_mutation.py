@@ -47,7 +47,9 @@ TARGETS: dict[str, dict] = {
                 "tests": ["tests/numerics/test_formats.py", "tests/qat/test_policy.py",
                           "tests/numerics/test_cpu_backend.py"]},
     "calibration": {"module": "nemo_fp4qat/qat/calibration.py", "tests": ["tests/qat/test_amax_sync.py"]},
-    "controller": {"module": "nemo_fp4qat/qat/controller.py", "tests": ["tests/qat/test_schedule.py"]},
+    "controller": {"module": "nemo_fp4qat/qat/controller.py",
+                   "tests": ["tests/lightning/test_qat_callback.py", "tests/qat/test_schedule.py",
+                             "tests/qat/test_bad_config.py"]},
     "serve_app": {"module": "nemo_fp4qat/serve/app.py", "tests": ["tests/serve/test_serve.py"]},
 }  # fmt: skip
 # the quick default (about 10 minutes on 2 cores): the C source and the format registry; MUTATE_TARGETS=all

@@ -68,55 +68,95 @@ static inline void nvfp4_elements(const float* xs, float* ys, int64_t len, float
     }
 }
 
+static inline float nvfp4_scale(float bmax, float gs, int gs_valid) {
+    float s = 1.f;
+    if (gs_valid) {
+        float ratio = bmax / (6.0f * gs);
+        if (!(ratio <= 448.f)) ratio = 448.f;
+        s = round_minifloat(ratio, 3, -6, 448.f) * gs;
+    }
+    return (s < 1e-5f) ? 1.f : s;
+}
+
+static inline void nvfp4_block(const float* xs, float* ys, int64_t len, float gs, int gs_valid) {
+    nvfp4_elements(xs, ys, len, nvfp4_scale(block_amax(xs, len), gs, gs_valid));
+}
+
+/* NVFP4's usual case, rows of whole 16-element blocks, as one run of blocks in chunks of 64: first their
+   amaxes (constant trip count, unrolled), then their scales in one loop over blocks (which the compiler
+   vectorizes: 8 blocks per instruction instead of a scalar dependency chain per block), then the
+   elements. 2.2x faster than block by block, bit-identical (same operations, same order per value). */
+#define CHUNK 64
+static void nvfp4_run16(const float* x, float* y, int64_t nblk, float gs, int gs_valid) {
+    float bm[CHUNK], sc[CHUNK];
+    for (int64_t c0 = 0; c0 < nblk; c0 += CHUNK) {
+        int64_t m = (nblk - c0 < CHUNK) ? (nblk - c0) : CHUNK;
+        const float* xc = x + c0 * 16;
+        float* yc = y + c0 * 16;
+        for (int64_t k = 0; k < m; ++k) bm[k] = block_amax(xc + k * 16, 16);
+        #pragma omp simd
+        for (int64_t k = 0; k < m; ++k) sc[k] = nvfp4_scale(bm[k], gs, gs_valid);
+        for (int64_t k = 0; k < m; ++k) nvfp4_elements(xc + k * 16, yc + k * 16, 16, sc[k]);
+    }
+}
+
+static inline void mx_block(const float* xs, float* ys, int64_t len, int mbits, int emin, float fmax) {
+    float bmax = block_amax(xs, len);
+    int32_t ue = 0;
+    if (bmax != 0.f && !isinf(bmax)) {
+        float ratio = bmax / fmax;
+        int32_t bits = f2i(ratio);
+        int32_t ef = (bits >> 23) & 0xFF, sig = bits & 0x7FFFFF;
+        int up = sig > 0 && ef != 0xFE && !(ef == 0 && sig <= 0x400000);
+        ue = up ? ef - 126 : ef - 127;
+    }
+    float scale = ldexpf(1.f, -ue), unscale = ldexpf(1.f, ue);
+    #pragma omp simd
+    for (int64_t i = 0; i < len; ++i) {
+        float v = xs[i];
+        float q = round_minifloat(fabsf(v) * scale, mbits, emin, fmax) * unscale;
+        float o = (v < 0.f) ? -q : q;
+        ys[i] = (v != v) ? v : o;
+    }
+}
+
+/* Rows of whole blocks (the usual case) are one run of blocks: block t starts at t * block, so no
+   per-block 64-bit integer division (about 12% of the time of a 16-element block). */
+#define FOR_EACH_BLOCK(CALL)                                                                   \
+    int64_t nb = (n + block - 1) / block;                                                      \
+    if (n % block == 0) {                                                                      \
+        _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                     \
+        for (int64_t t = 0; t < rows * nb; ++t) {                                              \
+            const float* xs = x + t * block; float* ys = y + t * block; int64_t len = block;   \
+            CALL;                                                                              \
+        }                                                                                      \
+    } else {                                                                                   \
+        _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                     \
+        for (int64_t r = 0; r < rows; ++r)                                                     \
+            for (int64_t b0 = 0; b0 < n; b0 += block) {                                        \
+                const float* xs = x + r * n + b0; float* ys = y + r * n + b0;                  \
+                int64_t len = (n - b0 < block) ? (n - b0) : block;                             \
+                CALL;                                                                          \
+            }                                                                                  \
+    }
+
 void nvfp4_fake_quant(const float* x, float* y, int64_t rows, int64_t n, int64_t block,
                       float gs, int gs_valid, int nthreads) {
-    int64_t nb = (n + block - 1) / block;
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t t = 0; t < rows * nb; ++t) {
-        int64_t r = t / nb, b0 = (t % nb) * block;
-        int64_t len = (n - b0 < block) ? (n - b0) : block;
-        const float* xs = x + r * n + b0;
-        float* ys = y + r * n + b0;
-        /* NVFP4's 16-element blocks get a constant trip count (unrolled, no remainder loop): ~12% faster */
-        float bmax = (len == 16) ? block_amax(xs, 16) : block_amax(xs, len);
-        float s = 1.f;
-        if (gs_valid) {
-            float ratio = bmax / (6.0f * gs);
-            if (!(ratio <= 448.f)) ratio = 448.f;
-            s = round_minifloat(ratio, 3, -6, 448.f) * gs;
+    if (block == 16 && n % 16 == 0) {
+        int64_t nblk = rows * (n / 16), per = (nblk + nthreads - 1) / nthreads;
+        #pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int t = 0; t < nthreads; ++t) {
+            int64_t b0 = t * per, b1 = (b0 + per < nblk) ? (b0 + per) : nblk;
+            if (b0 < b1) nvfp4_run16(x + b0 * 16, y + b0 * 16, b1 - b0, gs, gs_valid);
         }
-        if (s < 1e-5f) s = 1.f;
-        if (len == 16) nvfp4_elements(xs, ys, 16, s); else nvfp4_elements(xs, ys, len, s);
+        return;
     }
+    FOR_EACH_BLOCK(nvfp4_block(xs, ys, len, gs, gs_valid))
 }
 
 void mx_fake_quant(const float* x, float* y, int64_t rows, int64_t n, int64_t block,
                    int mbits, int emin, float fmax, int nthreads) {
-    int64_t nb = (n + block - 1) / block;
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t t = 0; t < rows * nb; ++t) {
-        int64_t r = t / nb, b0 = (t % nb) * block;
-        int64_t len = (n - b0 < block) ? (n - b0) : block;
-        const float* xs = x + r * n + b0;
-        float* ys = y + r * n + b0;
-        float bmax = block_amax(xs, len);
-        int32_t ue = 0;
-        if (bmax != 0.f && !isinf(bmax)) {
-            float ratio = bmax / fmax;
-            int32_t bits = f2i(ratio);
-            int32_t ef = (bits >> 23) & 0xFF, sig = bits & 0x7FFFFF;
-            int up = sig > 0 && ef != 0xFE && !(ef == 0 && sig <= 0x400000);
-            ue = up ? ef - 126 : ef - 127;
-        }
-        float scale = ldexpf(1.f, -ue), unscale = ldexpf(1.f, ue);
-        #pragma omp simd
-        for (int64_t i = 0; i < len; ++i) {
-            float v = xs[i];
-            float q = round_minifloat(fabsf(v) * scale, mbits, emin, fmax) * unscale;
-            float o = (v < 0.f) ? -q : q;
-            ys[i] = (v != v) ? v : o;
-        }
-    }
+    FOR_EACH_BLOCK(mx_block(xs, ys, len, mbits, emin, fmax))
 }
 """
 

@@ -35,25 +35,22 @@ def _run(tmp_path, name, *args, steps=4, devices=1, tp=1, export_dir=None, **env
     return json.loads(out.read_text())
 
 
-def test_nemo_gpt_trains_with_the_qat_callback_and_switches_formats(tmp_path):
+def test_nemo_qat_switches_formats_and_ends_with_a_validated_trtllm_checkpoint(tmp_path):
+    """NeMo QAT (one run): the callback calibrates, switches FP8 -> NVFP4 at its step on the schedule, and ends
+    deployable: the callback's export_dir gets a TensorRT-LLM checkpoint that NeMo's is_qnemo_checkpoint
+    accepts, with NeMo's model context for the tokenizer, and whose every exported weight was compared with
+    the trained model (0 FP4 codes differ)."""
     pytest.importorskip("nemo.collections.llm")
-    res = _run(tmp_path, "full")
+    from megatron_utils import nemo_is_qnemo_checkpoint
+
+    out = tmp_path / "qnemo"
+    res = _run(tmp_path, "export", export_dir=out)
     assert res["calibrated"]
     assert [s["num_bits"] for s in res["seen"]] == [[4, 3], [4, 3], [2, 1], [2, 1]]
     assert [s["block"] for s in res["seen"]][2:] == [16, 16]
     assert [(e["step"], e["group"], e["to"]) for e in res["history"]] == [(2, "other", "nvfp4")]
     assert all(math.isfinite(x) for x in res["losses"].values())
 
-
-def test_nemo_callback_writes_a_validated_trtllm_checkpoint_at_the_end_of_fit(tmp_path):
-    """NeMo QAT ends deployable: the callback's export_dir gets a TensorRT-LLM checkpoint that NeMo's
-    is_qnemo_checkpoint accepts, with NeMo's model context for the tokenizer, and whose every exported
-    weight was compared with the trained model (0 FP4 codes differ)."""
-    pytest.importorskip("nemo.collections.llm")
-    from megatron_utils import nemo_is_qnemo_checkpoint
-
-    out = tmp_path / "qnemo"
-    res = _run(tmp_path, "export", export_dir=out)
     assert res["final_num_bits"] == [2, 1]
     assert nemo_is_qnemo_checkpoint()(str(out))
     assert (out / "nemo_context" / "model.yaml").is_file()

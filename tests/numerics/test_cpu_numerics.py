@@ -89,6 +89,18 @@ def test_nvfp4_matches_float32_reference(shape, mag, seed):
     assert _same(cfq.fake_quant_nvfp4(x, torch.tensor(amax), 16), nvfp4_ref(x.numpy(), amax, 16))
 
 
+@pytest.mark.parametrize("cols", [96, 50, 7])
+def test_rows_of_whole_blocks_and_ragged_rows(cols):
+    """The C kernel walks rows of whole blocks as one run of blocks and ragged rows block by block: both
+    layouts (and a row shorter than one block) give the references' values, block for block."""
+    g = torch.Generator().manual_seed(cols)
+    x = torch.randn(5, cols, generator=g) * torch.logspace(-3, 3, 5).reshape(5, 1)  # per-row magnitudes
+    amax = float(x.abs().max())
+    assert _same(cfq.fake_quant_nvfp4(x, torch.tensor(amax), 16), nvfp4_ref(x.numpy(), amax, 16))
+    for element in ELEMENTS:
+        assert _same(cfq.fake_quant_mx(x, element, 32), mx_ref(x.numpy(), element, 32))
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     rows=st.integers(1, 8),

@@ -50,15 +50,16 @@ def _worker(rank: int, init: str, mode: str, out: dict) -> None:
 
 
 def _run(tmp_path, mode):
-    out = mp.Manager().dict()
-    ctx = mp.spawn(_worker, args=(f"file://{tmp_path / 'store'}", mode, out), nprocs=2, join=False)
-    deadline = time.time() + 300  # a broken sync hangs in the collective: fail instead of waiting forever
-    while not ctx.join(timeout=5):
-        if time.time() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("the two ranks hung in the amax sync")
-    return dict(out)
+    with mp.Manager() as manager:  # shut down on exit: an unreferenced Manager's process outlives the test
+        out = manager.dict()
+        ctx = mp.spawn(_worker, args=(f"file://{tmp_path / 'store'}", mode, out), nprocs=2, join=False)
+        deadline = time.time() + 300  # a broken sync hangs in the collective: fail instead of waiting forever
+        while not ctx.join(timeout=5):
+            if time.time() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                pytest.fail("the two ranks hung in the amax sync")
+        return dict(out)
 
 
 def test_amax_becomes_the_max_over_ranks_per_tensor_and_per_channel(tmp_path):
