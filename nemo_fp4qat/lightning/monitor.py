@@ -140,7 +140,8 @@ class QuantizationMonitor(pl.Callback):
                 x = args[0] if args else None
                 # NaN/Inf make the sum non-finite: one reduction per input and step (an elementwise isfinite
                 # costs 20x more); only a non-finite sum (or one that overflowed) pays for the exact count
-                if isinstance(x, torch.Tensor) and x.is_floating_point() and not math.isfinite(float(x.sum())):
+                floating = isinstance(x, torch.Tensor) and x.is_floating_point()
+                if floating and not math.isfinite(float(x.detach().sum())):  # detached: no autograd node per step
                     n = int((~torch.isfinite(x)).sum())
                     if n:
                         self._nonfinite[_name] = self._nonfinite.get(_name, 0) + n
