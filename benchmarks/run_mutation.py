@@ -17,6 +17,11 @@ mutant came out "no tests". A function that runs only at import time (``formats.
 format table) cannot be activated by mutmut's trampolines, which pick the mutant when a function is
 called in the forked test process: such survivors were applied to the source by hand and are listed with
 the test that kills them (``benchmarks/mutation_equivalent.json``).
+
+The tests run with one thread (``OMP_NUM_THREADS=1``): mutmut forks each mutant's test process from a
+parent that already ran the tests, and GNU OpenMP's thread pool does not survive a fork, so before this every
+mutant whose tests reached a parallel kernel hung until mutmut's timeout (all of the controller's first 14,
+and probably the 14 "timeouts" of the formats run, which predates the fix).
 """
 
 from __future__ import annotations
@@ -48,8 +53,10 @@ TARGETS: dict[str, dict] = {
                           "tests/numerics/test_cpu_backend.py"]},
     "calibration": {"module": "nemo_fp4qat/qat/calibration.py", "tests": ["tests/qat/test_amax_sync.py"]},
     "controller": {"module": "nemo_fp4qat/qat/controller.py",
-                   "tests": ["tests/lightning/test_qat_callback.py", "tests/qat/test_schedule.py",
-                             "tests/qat/test_bad_config.py",
+                   "tests": ["tests/qat/test_controller.py", "tests/lightning/test_qat_callback.py",
+                             "tests/qat/test_schedule.py", "tests/qat/test_bad_config.py",
+                             "tests/qat/test_smoothing.py",
+                             "tests/export/test_export.py::test_fp8_kv_cache_is_exported",
                              "tests/lightning/test_monitor.py::test_rollback_action_moves_the_group_back_one_stage"]},
     "serve_app": {"module": "nemo_fp4qat/serve/app.py", "tests": ["tests/serve/test_serve.py"]},
 }  # fmt: skip
@@ -133,7 +140,11 @@ def run_mutmut(name: str, max_children: int) -> dict:
         + "pytest_add_cli_args_test_selection=\n" + "".join(f"    {t}\n" for t in spec["tests"])
     )  # fmt: skip
     # mutmut reads [tool.mutmut] from pyproject.toml first: this project keeps its config here instead.
-    env = {**os.environ, "NEMO_FP4QAT_CACHE": str(work / ".cache")}
+    # One thread per test process: mutmut forks a child per mutant from a parent that has run the tests, and
+    # GNU OpenMP's thread pool (the C kernels', torch's) does not survive a fork: a child's first parallel
+    # region hangs and every such mutant ends as a "timeout". With one thread no pool is used (and the
+    # children share the cores instead of each starting a thread per core).
+    env = {**os.environ, "NEMO_FP4QAT_CACHE": str(work / ".cache"), "OMP_NUM_THREADS": "1"}
     t0 = time.time()
     subprocess.run([sys.executable, "-c", MUTMUT, "run", "--max-children", str(max_children)], cwd=work, env=env)
     meta = json.loads((work / "mutants" / (spec["module"] + ".meta")).read_text())

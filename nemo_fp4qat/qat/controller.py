@@ -248,7 +248,11 @@ class QATController:
                 for m in changed:
                     for kind, idx in (("weight", 0), ("input", 1)):
                         if old[m][idx] != changed[m][idx]:
-                            self.ramps[f"{m}.{kind}_quantizer"] = {"start": step, "old": old[m][idx]}
+                            qname = f"{m}.{kind}_quantizer"
+                            # a switch inside a running ramp: its hook blends with the format before that one;
+                            # drop it so attach() blends with the format this switch leaves (as a resume does)
+                            self._drop_ramp_hook(qname)
+                            self.ramps[qname] = {"start": step, "old": old[m][idx]}
             self.attach(model)
         self._expire_ramps(model)
         return events
@@ -308,14 +312,17 @@ class QATController:
 
             self._hooks[qname] = q.register_forward_hook(hook)
 
+    def _drop_ramp_hook(self, qname: str) -> None:
+        h = self._hooks.pop(qname, None)
+        if h is not None:
+            h.remove()
+        self._old_quantizers.pop(qname, None)
+
     def _expire_ramps(self, model: nn.Module) -> None:
         done = [q for q, r in self.ramps.items() if self._step >= r["start"] + self.schedule.ramp_steps]
         for q in done:
             self.ramps.pop(q)
-            h = self._hooks.pop(q, None)
-            if h is not None:
-                h.remove()
-            self._old_quantizers.pop(q, None)
+            self._drop_ramp_hook(q)
 
     # --- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
