@@ -88,3 +88,38 @@ def test_input_blocks_run_along_the_hidden_dimension_of_3d_activations(name):
     else:
         want = mx_ref(x.numpy(), {"mxfp4": (2, 1), "mxfp8": (4, 3)}[name], 32)
     np.testing.assert_array_equal(got, want.astype(np.float32))
+
+
+def test_names_are_read_case_and_dash_insensitively_and_aliases_resolve():
+    from nemo_fp4qat.numerics.formats import get_format
+
+    assert get_format(" MXFP6-E2M3 ").name == "mxfp6_e2m3"  # spaces, case, '-' for '_'
+    assert get_format("fp6").name == "mxfp6_e2m3" and get_format("FP4").name == "nvfp4"  # aliases
+    assert get_format("full-precision").name == "bf16"  # an alias written with a dash
+    with pytest.raises(TypeError, match="format must be a name or QuantFormat, got int"):
+        get_format(4)
+
+
+def test_unknown_format_names_the_closest_and_every_known_name():
+    from nemo_fp4qat.numerics.formats import _ALIASES, get_format
+
+    known = ", ".join(sorted(set(FORMATS) | set(_ALIASES)))
+    with pytest.raises(ValueError) as e:
+        get_format("nvfp5")
+    assert str(e.value) == f"Unknown quantization format 'nvfp5'. Did you mean 'nvfp4'? Known formats: {known}."
+    with pytest.raises(ValueError) as e:  # nothing close: no hint (and no IndexError)
+        get_format("qqqqqqqq")
+    assert str(e.value) == f"Unknown quantization format 'qqqqqqqq'. Known formats: {known}."
+
+
+def test_quantizer_cfg_per_kind_is_a_fresh_copy():
+    from nemo_fp4qat.numerics.formats import get_format
+
+    assert get_format("bf16").quantizer_cfg("weight") == get_format("bf16").quantizer_cfg("input") == {"enable": False}
+    awq = get_format("int4_awq")  # weight-only: the input quantizer is off
+    assert awq.quantizer_cfg("input") == {"enable": False} and awq.quantizer_cfg("weight")["num_bits"] == 4
+    cfg = get_format("nvfp4").quantizer_cfg("weight")
+    cfg["block_sizes"][-1] = 99  # a caller editing its copy does not edit the registry
+    assert get_format("nvfp4").quantizer_cfg("weight")["block_sizes"][-1] == 16
+    with pytest.raises(ValueError, match="kind must be 'weight' or 'input', got 'bias'"):
+        get_format("nvfp4").quantizer_cfg("bias")
