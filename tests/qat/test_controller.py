@@ -79,19 +79,20 @@ def test_history_counts_modules_and_names_the_weight_format_they_left():
     -> NVFP4 while the input stays FP8; each history event names the group, the *weight* format before and
     after, and how many modules moved; only the quantizers whose format changed get a ramp."""
     ctl, model = _controller("nvfp4_w4a8", {**PROGRESSIVE, "ramp_steps": 1})
-    events = [e for s in range(6) for e in ctl.step(model, s)]
+    events, ramps_at_4 = [], {}
+    for s in range(6):
+        events += ctl.step(model, s)
+        if s == 4:
+            ramps_at_4 = dict(ctl.ramps)
     assert events == [
         {"step": 2, "group": "mlp", "from": "fp8", "to": "mxfp6_e2m3", "modules": 6},
         {"step": 4, "group": "mlp", "from": "mxfp6_e2m3", "to": "nvfp4", "modules": 6},
     ]
     assert ctl.history == events
+    mlp = [f"model.layers.{i}.mlp.{p}_proj" for i in range(2) for p in ("gate", "up", "down")]
+    assert ramps_at_4 == {f"{m}.weight_quantizer": {"start": 4, "old": "mxfp6_e2m3"} for m in mlp}
     ctl.step(model, 6)  # past the ramp
     assert ctl.ramps == {}
-    ctl2, model2 = _controller("nvfp4_w4a8", {**PROGRESSIVE, "ramp_steps": 1})
-    for s in range(5):
-        ctl2.step(model2, s)
-    mlp = [f"model.layers.{i}.mlp.{p}_proj" for i in range(2) for p in ("gate", "up", "down")]
-    assert ctl2.ramps == {f"{m}.weight_quantizer": {"start": 4, "old": "mxfp6_e2m3"} for m in mlp}
 
 
 def test_ramps_blend_for_ramp_steps_then_expire():
