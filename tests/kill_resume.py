@@ -91,12 +91,13 @@ def _run_worker(harness: Harness, run_dir: Path, spec: str | None, timeout: floa
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     cmd = [harness.python, str(harness.worker), str(run_dir), *([spec] if spec else [])]
     with open(run_dir.parent / f"{run_dir.name}.log", "ab") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
+        # its own session = its own process group, which a kill takes down whole (the worker's children too)
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
     if kill_after is not None:
         try:
             return proc.wait(timeout=kill_after)
         except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)
             return proc.wait()
     return proc.wait(timeout=timeout)
 

@@ -45,7 +45,9 @@ SCHEDULE = {
 
 
 def _die() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
+    # the whole process group, as a scheduler kills a job: NeMo's spawned helper processes die with it (a
+    # SIGKILL of this process alone left them orphaned, blocked on their socket, after the test ended)
+    os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
 class KillSwitch:

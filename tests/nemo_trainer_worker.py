@@ -9,8 +9,9 @@ quantizer's amax, so the test can compare ranks.
 ``worker.py OUT [MODE CKPT [CKPT2]]``: MODE ``full`` (default) trains ``STEPS`` steps; ``pretrain`` trains
 ``STEPS // 2`` steps without QAT and saves a NeMo (dist-)checkpoint to CKPT.
 QAD (``distillation=True``, one BF16 step then NVFP4): ``qad`` restores the base CKPT with ``RestoreConfig``
-(the teacher comes from it) and trains ``STEPS``; ``qad_first`` does the same for ``STEPS // 2`` and saves CKPT2;
-``qad_resume`` resumes CKPT2 without ``RestoreConfig`` (the teacher path comes back from the checkpoint).
+(the teacher comes from it) and trains ``STEPS``, saving a mid-run checkpoint to CKPT2 (when given) after step
+``STEPS // 2``; ``qad_resume`` resumes CKPT2 without ``RestoreConfig`` (the teacher path comes back from the
+checkpoint), so its last steps can be compared with the uninterrupted ``qad`` run's.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ if __name__ == "__main__":
     out = sys.argv[1]
     mode = sys.argv[2] if len(sys.argv) > 2 else "full"
     ckpt = sys.argv[3] if len(sys.argv) > 3 else None
-    save_to = sys.argv[4] if mode == "qad_first" else ckpt  # where the mid-run checkpoint goes
+    # where the mid-run checkpoint goes (pretrain: its only one; qad: optional, the run continues past it)
+    save_to = (sys.argv[4] if len(sys.argv) > 4 else None) if mode == "qad" else ckpt
     qad = mode.startswith("qad")
     from nemo_fp4qat.nemo import NeMoFP4QATCallback, megatron_cpu_mode, megatron_module
 
@@ -77,8 +79,10 @@ if __name__ == "__main__":
 
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
                 losses[trainer.global_step] = float(trainer.callback_metrics["reduced_train_loss"])
-                if mode in ("pretrain", "qad_first") and trainer.global_step == STEPS // 2:
+                if mode in ("pretrain", "qad") and save_to and trainer.global_step == STEPS // 2:
                     marks["saved_fc1"] = fingerprint(pl_module)
+                    q = getattr(fc1_of(pl_module), "weight_quantizer", None)
+                    marks["saved_amax"] = None if q is None else float(q.amax)
                     trainer.save_checkpoint(save_to)  # inside fit, where NeMo's ModelCheckpoint saves
 
             def on_train_end(self, trainer, pl_module):
@@ -130,14 +134,14 @@ if __name__ == "__main__":
 
             monitor = QuantizationMonitor(every_n_steps=2, module_getter=megatron_module)
             extra = [monitor, InjectInf()]
-        max_steps = STEPS // 2 if mode in ("pretrain", "qad_first") else STEPS
+        max_steps = STEPS // 2 if mode == "pretrain" else STEPS
         strategy = nl.MegatronStrategy(ckpt_async_save=False, tensor_model_parallel_size=TP)
         trainer = nl.Trainer(accelerator="cpu", devices=DEVICES, max_steps=max_steps, strategy=strategy,
                              plugins=nl.MegatronMixedPrecision(precision="32"), logger=False,
                              callbacks=[Probe()] if mode == "pretrain" else [qat, Probe(), *extra],
                              enable_checkpointing=False, limit_val_batches=0, log_every_n_steps=1)  # fmt: skip
         # QAT from a checkpoint trained without it, the way NeMo recipes load a base model
-        if mode in ("qad", "qad_first"):
+        if mode == "qad":
             nl.AutoResume(restore_config=nl.RestoreConfig(path=ckpt, load_artifacts=False)).setup(trainer, model)
         trainer.fit(model, data, ckpt_path=sys.argv[4] if mode == "qad_resume" else None)
         if mode == "pretrain":

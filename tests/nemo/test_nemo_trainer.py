@@ -35,19 +35,23 @@ def _run(tmp_path, name, *args, steps=4, devices=1, tp=1, export_dir=None, **env
     return json.loads(out.read_text())
 
 
-def test_nemo_qat_switches_formats_and_ends_with_a_validated_trtllm_checkpoint(tmp_path):
+def test_nemo_qat_switches_formats_reports_an_inf_and_ends_with_a_validated_trtllm_checkpoint(tmp_path):
     """NeMo QAT (one run): the callback calibrates, switches FP8 -> NVFP4 at its step on the schedule, and ends
     deployable: the callback's export_dir gets a TensorRT-LLM checkpoint that NeMo's is_qnemo_checkpoint
     accepts, with NeMo's model context for the tokenizer, and whose every exported weight was compared with
-    the trained model (0 FP4 codes differ)."""
+    the trained model (0 FP4 codes differ). On the way (test_monitor's Inf test on the NeMo path), NVFP4 clips
+    an Inf put into one activation at step 3 of 5 (the loss stays finite), and QuantizationMonitor names the layer
+    and the step, on a step it does not measure (every 2nd)."""
     pytest.importorskip("nemo.collections.llm")
     from megatron_utils import nemo_is_qnemo_checkpoint
 
     out = tmp_path / "qnemo"
-    res = _run(tmp_path, "export", export_dir=out)
+    res = _run(tmp_path, "export", steps=5, export_dir=out, INJECT_INF_STEP=3)
+    assert [(layer.endswith("decoder.layers.0.mlp.linear_fc2"), step, metric, value)
+            for layer, step, metric, value in res["nonfinite"]] == [(True, 3, "input_nonfinite", 1.0)]  # fmt: skip
     assert res["calibrated"]
-    assert [s["num_bits"] for s in res["seen"]] == [[4, 3], [4, 3], [2, 1], [2, 1]]
-    assert [s["block"] for s in res["seen"]][2:] == [16, 16]
+    assert [s["num_bits"] for s in res["seen"]] == [[4, 3], [4, 3], [2, 1], [2, 1], [2, 1]]
+    assert [s["block"] for s in res["seen"]][2:] == [16, 16, 16]
     assert [(e["step"], e["group"], e["to"]) for e in res["history"]] == [(2, "other", "nvfp4")]
     assert all(math.isfinite(x) for x in res["losses"].values())
 
@@ -62,16 +66,6 @@ def test_nemo_qat_switches_formats_and_ends_with_a_validated_trtllm_checkpoint(t
     from nemo_fp4qat.export import validate_export
 
     assert validate_export(out).ok  # what `nemo-fp4qat validate` checks without the model
-
-
-def test_an_inf_in_one_activation_is_reported_on_the_nemo_path(tmp_path):
-    """The NeMo path's twin of test_monitor's Inf test: NVFP4 clips an Inf put into one activation (the loss
-    stays finite), and QuantizationMonitor names the layer and the step, on a step it does not measure."""
-    pytest.importorskip("nemo.collections.llm")
-    out = _run(tmp_path, "inf", steps=5, INJECT_INF_STEP=3)
-    assert all(math.isfinite(x) for x in out["losses"].values()), out["losses"]
-    assert [(layer.endswith("decoder.layers.0.mlp.linear_fc2"), step, metric, value)
-            for layer, step, metric, value in out["nonfinite"]] == [(True, 3, "input_nonfinite", 1.0)]  # fmt: skip
 
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["data-parallel", "tensor-parallel"])
@@ -101,7 +95,7 @@ def test_qad_fine_tune_from_a_base_checkpoint_restores_student_and_teacher_and_d
     pytest.importorskip("nemo.collections.llm")
     base_ckpt, mid_ckpt = tmp_path / "base", tmp_path / "mid"
     base = _run(tmp_path, "pretrain", "pretrain", str(base_ckpt), steps=4)
-    qad = _run(tmp_path, "qad", "qad", str(base_ckpt), steps=4)
+    qad = _run(tmp_path, "qad", "qad", str(base_ckpt), str(mid_ckpt), steps=4)  # saves mid_ckpt after step 2
     check = qad["qad_check"]
     assert qad["start_fc1"] == base["saved_fc1"]  # the base weights, not a fresh initialisation
     assert [(s["enabled"], s["num_bits"], s["block"]) for s in qad["seen"]] == [(False, 8, None)] + [
@@ -115,12 +109,12 @@ def test_qad_fine_tune_from_a_base_checkpoint_restores_student_and_teacher_and_d
     assert check["logit_diff"] > 0
     # float32 KL of near-equal distributions (~5e-4 per token) against float64: a few 1e-7 of cancellation
     assert check["kd"] == pytest.approx(check["ref"], abs=2e-6) and max(check["ref"]) > 1e-4
-    # a NeMo dist-checkpoint mid-run, resumed: the stage, quantizers, teacher and losses continue
-    first = _run(tmp_path, "qad_first", "qad_first", str(base_ckpt), str(mid_ckpt), steps=4)
+    # the NeMo dist-checkpoint saved mid-run, resumed: the stage, quantizers, teacher and losses continue
+    # as in the uninterrupted run
     assert (mid_ckpt / "weights" / "modelopt_state").exists()  # NeMo saved modelopt's state with the weights
     resumed = _run(tmp_path, "qad_resume", "qad_resume", str(base_ckpt), str(mid_ckpt), steps=4)
     assert resumed["seen"][0]["step"] == 2 and resumed["seen"][0]["num_bits"] == [2, 1]
-    assert resumed["seen"][0]["block"] == 16 and resumed["seen"][0]["amax"] == first["final_amax"]
+    assert resumed["seen"][0]["block"] == 16 and resumed["seen"][0]["amax"] == qad["saved_amax"]
     assert [e["to"] for e in resumed["history"]] == ["nvfp4"]  # the schedule history came back, no new switch
     assert resumed["qad_check"]["teacher_path"] == str(base_ckpt)
     assert resumed["qad_check"]["teacher_fc1"] == base["saved_fc1"]
