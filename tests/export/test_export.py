@@ -412,3 +412,81 @@ def test_callback_exports_at_the_end_of_training(tmp_path):
                enable_model_summary=False, callbacks=[cb]).fit(lit, loader())  # fmt: skip
     report = validate_export(tmp_path / "export", model=lit.net)
     assert report.ok and report.numeric["fp4_codes_different"] == 0
+
+
+def test_the_report_names_the_checkpoint_and_refuses_an_unknown_runtime(nvfp4_export):
+    _, src = nvfp4_export
+    rep = validate_export(src, runtime="pytorch")
+    assert (rep.path, rep.kind, rep.quant_algo, rep.runtime) == (str(src), "hf", "NVFP4", "pytorch")
+    assert rep.format().startswith(f"{src}: hf checkpoint, quant_algo=NVFP4")
+    with pytest.raises(ValueError, match=r"Unknown runtime 'tensorrt'; choose one of trtllm, pytorch\."):
+        validate_export(src, runtime="tensorrt")
+
+
+def test_a_checkpoint_without_the_manifest_is_flagged_unless_not_required(tmp_path, nvfp4_export):
+    _, src = nvfp4_export
+    bad = tmp_path / "c"
+    shutil.copytree(src, bad)
+    (bad / MANIFEST_NAME).unlink()
+    rep = validate_export(bad)
+    assert rep.ok and [(p.tensor, p.message) for p in rep.warnings] == [
+        (str(bad), "no nemo_fp4qat manifest: not written by nemo-fp4qat export.")]  # fmt: skip
+    assert validate_export(bad, require_manifest=False).warnings == []
+
+
+def _with_quant_config(src, dst, **changes):
+    """A copy of the export at ``src`` whose quantization config has ``changes`` (hf or trtllm kind)."""
+    shutil.copytree(src, dst)
+    f = dst / ("hf_quant_config.json" if (dst / "hf_quant_config.json").is_file() else "config.json")
+    cfg = json.loads(f.read_text())
+    cfg["quantization"].update(changes)
+    f.write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("algo", [None, "mxfp4", "MXFP4", "FP5"])
+def test_a_quant_algo_the_runtime_cannot_load_is_an_error_with_the_fix(tmp_path, nvfp4_export, algo):
+    """No quant_algo at all, modelopt's dense 'mxfp4' (the fix names the MXFP4 algos TRT-LLM has), or any
+    other name TRT-LLM lacks: an error on quant_algo; this plugin's own server (runtime='pytorch') takes
+    what it can unpack."""
+    _, src = nvfp4_export
+    bad = _with_quant_config(src, tmp_path / "c", quant_algo=algo)
+    msg = _errors(validate_export(bad, require_manifest=False))["quant_algo"]
+    if algo is None:
+        assert msg == "not set: the checkpoint declares no quantization."
+        return
+    assert msg.startswith(f"{algo!r} is not a TensorRT-LLM QuantAlgo")
+    assert ("W4A8_MXFP4_FP8/W4A16_MXFP4" in msg) == (algo.lower() == "mxfp4")
+    assert "quant_algo" not in _errors(validate_export(bad, runtime="pytorch", require_manifest=False))
+
+
+def test_a_kv_cache_algo_the_runtime_lacks_is_named(tmp_path, nvfp4_export):
+    _, src = nvfp4_export
+    bad = _with_quant_config(src, tmp_path / "c", kv_cache_quant_algo="INT4")
+    msgs = [p.message for p in validate_export(bad).errors if p.tensor == "kv_cache_quant_algo"]
+    assert "'INT4' is not one of ['FP8', 'INT8', 'NVFP4']." in msgs
+
+
+def test_awq_scales_are_checked_against_the_declared_group_size(tmp_path):
+    """INT4 AWQ's weight_scale has one column per group of the config's group_size (128 here): a config that
+    declares 64 does not fit the scales the checkpoint carries."""
+    model = calibrated_tiny_llama("int4_awq")
+    src = export_checkpoint(model, tmp_path / "ckpt", ExportConfig(kind="hf"))
+    assert validate_export(src, model=model).ok
+    errs = _errors(validate_export(_with_quant_config(src, tmp_path / "c", group_size=64)))
+    assert "does not fit W4A16_AWQ" in errs["model.layers.0.mlp.down_proj.weight_scale"]
+
+
+def test_tensor_parallel_ranks_that_disagree_on_a_shared_scale_are_named(tmp_path):
+    model = calibrated_tiny_llama("nvfp4")
+    src = export_checkpoint(model, tmp_path / "tp2", ExportConfig(kind="trtllm", tensor_parallel=2))
+    bad = tmp_path / "c"
+    shutil.copytree(src, bad)
+    r1 = load_file(str(bad / "rank1.safetensors"))
+    r1["transformer.layers.0.attention.dense.activation_scaling_factor"] *= 2  # TRT-LLM's name for input_scale
+    save_file(r1, str(bad / "rank1.safetensors"))
+    errs = _errors(validate_export(bad))
+    assert (
+        errs["transformer.layers.0.attention.dense.input_scale"]
+        == "tensor-parallel ranks disagree on this shared scale."
+    )
