@@ -56,9 +56,11 @@ def test_export_each_format_validates_against_the_trained_model(tmp_path, fmt, k
     assert report["numeric"]["layers_compared"] + len(skipped) == len(quantized) > 0
     assert all(reason for reason in skipped.values())
     if EXPECTED_ALGO[fmt] not in ("W8A8_SQ_PER_CHANNEL", "W4A16_AWQ"):  # only smoothing exporters requantize
-        assert skipped == {}, skipped
+        assert skipped == {} and "resmoothed_layers" not in report["numeric"], skipped
     else:
         assert report["numeric"]["layers_compared"] >= len(quantized) // 4, skipped
+        assert set(skipped.values()) <= {"re-smoothed and requantized by the exporter"}
+        assert report["numeric"].get("resmoothed_layers", 0) == len(skipped)
     if fmt in ("nvfp4", "trtllm_mixed"):
         assert report["numeric"]["fp4_codes_compared"] > 0 and report["numeric"]["fp4_codes_different"] == 0
     # re-validated from disk, independently of the export call
@@ -131,7 +133,7 @@ def test_w4a8_block_scales_that_overflow_the_kernel_are_refused(tmp_path):
         for m in model.modules():
             if is_w4a8(m):
                 m.weight_quantizer._amax.div_(6.0)
-    with pytest.raises(ExportValidationError, match="kernel's FP8 dequantization"):
+    with pytest.raises(ExportValidationError, match=r"\.weight_scale: max [\d.]+ > 448 / 6: the W4A8 kernel's FP8 deq"):
         export_checkpoint(model, tmp_path / "ckpt", ExportConfig(kind="hf"))
     assert not (tmp_path / "ckpt").exists()
 
@@ -418,6 +420,7 @@ def test_the_report_names_the_checkpoint_and_refuses_an_unknown_runtime(nvfp4_ex
     _, src = nvfp4_export
     rep = validate_export(src, runtime="pytorch")
     assert (rep.path, rep.kind, rep.quant_algo, rep.runtime) == (str(src), "hf", "NVFP4", "pytorch")
+    assert rep.ok and rep.numeric == {}  # without a model, no numeric check is claimed
     assert rep.format().startswith(f"{src}: hf checkpoint, quant_algo=NVFP4")
     with pytest.raises(ValueError, match=r"Unknown runtime 'tensorrt'; choose one of trtllm, pytorch\."):
         validate_export(src, runtime="tensorrt")
@@ -490,3 +493,43 @@ def test_tensor_parallel_ranks_that_disagree_on_a_shared_scale_are_named(tmp_pat
         errs["transformer.layers.0.attention.dense.input_scale"]
         == "tensor-parallel ranks disagree on this shared scale."
     )
+
+
+def test_a_model_that_does_not_match_the_export_is_named_not_compared(nvfp4_export):
+    """Validating against a model whose layers are named otherwise (here: wrapped one level deeper) compares
+    nothing, and says so per layer and overall instead of passing the numeric check silently."""
+    model, src = nvfp4_export
+    rep = validate_export(src, model=torch.nn.ModuleDict({"inner": model}))
+    quantized = [m for m, a in rep.layers.items() if a is not None]
+    assert rep.numeric["layers_without_counterpart"] == len(quantized) == 14
+    assert rep.numeric["layers_skipped"] == dict.fromkeys(
+        quantized, "no layer of the given model maps to this exported layer")  # fmt: skip
+    assert "layers_compared" not in rep.numeric
+    assert [p.message for p in rep.warnings] == ["no exported layer matched a model layer: numeric check skipped."]
+
+
+def test_a_layer_declared_quantized_but_stored_in_full_precision_is_named(tmp_path, nvfp4_export):
+    model, src = nvfp4_export
+    mod = "model.layers.1.mlp.gate_proj"
+
+    def dequantized(t):
+        for k in [k for k in t if k.startswith(f"{mod}.")]:
+            t.pop(k)
+        t[f"{mod}.weight"] = model.model.layers[1].mlp.gate_proj.weight.detach().clone()
+
+    errs = _errors(validate_export(_corrupt(src, tmp_path / "c", dequantized)))
+    assert errs[f"{mod}.weight_scale"].startswith("missing: a NVFP4 layer needs weight_scale")
+
+
+def test_a_mixed_precision_layer_algo_trtllm_lacks_is_named_and_the_rest_still_checked(tmp_path):
+    model = calibrated_tiny_llama("trtllm_mixed")
+    src = export_checkpoint(model, tmp_path / "ckpt", ExportConfig(kind="hf"))
+    layers = json.loads((src / "hf_quant_config.json").read_text())["quantization"]["quantized_layers"]
+    mod = sorted(layers)[0]
+    layers[mod] = {**layers[mod], "quant_algo": "FP5"}
+    bad = _with_quant_config(src, tmp_path / "c", quantized_layers=layers)
+    rep = validate_export(bad)
+    assert [p.message for p in rep.errors if p.tensor == mod] == [
+        "layer quant_algo 'FP5' is not a TensorRT-LLM QuantAlgo.", "no layout known for quant_algo 'FP5'."]  # fmt: skip
+    assert rep.layers == validate_export(src).layers | {mod: "FP5"}  # every other layer still checked
+    assert [p.tensor for p in validate_export(bad, runtime="pytorch").errors if p.tensor == mod] == [mod]
