@@ -9,7 +9,9 @@ and, where one was reviewed, the reason it is equivalent (``benchmarks/mutation_
 Each target runs in a scratch copy of the tree (mutmut writes ``mutants/`` beside the sources), so
 the checkout is never touched. ``--only fake_quant`` runs one target; ``--max-children`` sets the
 parallelism. ``make mutate`` runs the C-source set (about 2 minutes); ``MUTATE_TARGETS=all make mutate``
-also runs mutmut over every Python target.
+also runs mutmut over every Python target. ``--only NAME --recheck-survivors`` re-runs just the mutants
+``mutation.json`` lists as surviving, against today's tests (after tests were written for them: a full run of
+``export/validate.py`` takes about 35 minutes on 2 cores, its survivors a few).
 
 mutmut runs the tests from its ``mutants/`` copy, so files the tests read outside the package (the YAML
 configs under ``conf/``) are copied there too (``also_copy``); without them the stats run failed and every
@@ -129,7 +131,8 @@ def run_c_kernel() -> dict:
     return {"module": "nemo_fp4qat/numerics/native_kernels.py (C source)", "mutants": results}
 
 
-def run_mutmut(name: str, max_children: int) -> dict:
+def run_mutmut(name: str, max_children: int, only: list[str] | None = None) -> dict:
+    """All mutants of target ``name``, or (``only``) just the named ones (their statuses alone are returned)."""
     spec = TARGETS[name]
     work = _scratch_copy()
     (work / "setup.cfg").write_text(
@@ -146,13 +149,16 @@ def run_mutmut(name: str, max_children: int) -> dict:
     # children share the cores instead of each starting a thread per core).
     env = {**os.environ, "NEMO_FP4QAT_CACHE": str(work / ".cache"), "OMP_NUM_THREADS": "1"}
     t0 = time.time()
-    subprocess.run([sys.executable, "-c", MUTMUT, "run", "--max-children", str(max_children)], cwd=work, env=env)
+    subprocess.run([sys.executable, "-c", MUTMUT, "run", "--max-children", str(max_children), *(only or [])],
+                   cwd=work, env=env)  # fmt: skip
     meta = json.loads((work / "mutants" / (spec["module"] + ".meta")).read_text())
     codes = meta["exit_code_by_key"]
     status = {1: "killed", 3: "killed", -24: "timeout", 0: "survived", 33: "no tests", 5: "no tests",
               34: "skipped", 36: "timeout", 24: "timeout", 152: "timeout", 255: "timeout", -11: "segfault"}  # fmt: skip
     mutants = []
     for key, code in sorted(codes.items()):
+        if only is not None and key not in only:
+            continue
         st = status.get(code, "not checked" if code is None else f"exit {code}")
         entry = {"mutant": key, "status": st}
         if st in ("survived", "no tests"):
@@ -191,6 +197,9 @@ def write_results(results: dict[str, dict]) -> None:
             key = m.get("mutant") or m.get("mutation")
             why = equivalent.get(key, "not yet reviewed")
             detail += [f"### {key} ({m['status']})", "", f"Reason: {why}", "", "```diff", m.get("diff", ""), "```", ""]
+    lines += [f"\n`{r['module']}`: the {r['full_run_survivors']} survivors of the full run were re-run against the "
+              "tests written for them (`run_mutation.py --recheck-survivors`); the other mutants' statuses are from "
+              "the full run." for r in results.values() if r.get("full_run_survivors")]  # fmt: skip
     lines += ["", "Score = (killed + timeout) / all mutants: killed = a test failed with the mutant in place;",
               "timeout = mutmut stopped the tests past its time limit (a mutant that loops, or a busy machine:",
               "rerun on an idle one); no tests = no selected test calls the mutated function (counted as",
@@ -200,15 +209,36 @@ def write_results(results: dict[str, dict]) -> None:
     (RESULTS / "mutation.md").write_text("\n".join(lines) + "\n")
 
 
+def recheck_survivors(names: list[str], max_children: int) -> int:
+    """The survivors of a full run, re-run against today's tests: new tests written for them show here as
+    kills (a full run of a large module takes most of an hour; its survivors, minutes)."""
+    results = json.loads((RESULTS / "mutation.json").read_text())
+    for name in names:
+        old = results[name]
+        keys = [m["mutant"] for m in old["mutants"] if m["status"] in ("survived", "no tests")]
+        print(f"re-checking {len(keys)} survivors of {name} ...", flush=True)
+        new = {m["mutant"]: m for m in run_mutmut(name, max_children, only=keys)["mutants"]}
+        old["mutants"] = [new.get(m.get("mutant"), m) for m in old["mutants"]]
+        old.setdefault("full_run_survivors", len(keys))  # the first re-check sees the full run's survivors
+        write_results(results)
+        killed, total = _score(old)
+        print(f"{name}: {killed} / {total} killed", flush=True)
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", nargs="*", help=f"targets: c_kernel, {', '.join(TARGETS)}, or 'all' (default: quick)")
     p.add_argument("--max-children", type=int, default=os.cpu_count() or 2)
     p.add_argument("--report", action="store_true", help="only rewrite mutation.md from mutation.json")
+    p.add_argument("--recheck-survivors", action="store_true",
+                   help="re-run only the mutants mutation.json lists as surviving")  # fmt: skip
     args = p.parse_args()
     if args.report:
         write_results(json.loads((RESULTS / "mutation.json").read_text()))
         return 0
+    if args.recheck_survivors:
+        return recheck_survivors(args.only or [], args.max_children)
     names = args.only or os.environ.get("MUTATE_TARGETS", "").split() or QUICK
     if names == ["all"]:
         names = ["c_kernel", *TARGETS]

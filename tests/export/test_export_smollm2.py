@@ -29,7 +29,10 @@ from nemo_fp4qat.qat.policy import POLICY_PRESETS, TRTLLM_PRESETS
 
 # One entry per distinct preset (aliases such as trtllm_mixed == default are the same spec object).
 PRESETS = list({id(POLICY_PRESETS[n]): n for n in reversed(TRTLLM_PRESETS)}.values())[::-1]
-EXPORTS = [("hf", 1), ("trtllm", 1), ("trtllm", 2)]
+# Under modelopt 0.37 (the nemo env, whose NeMo path exports TensorRT-LLM checkpoints) the per-preset unified HF
+# cells are left to 0.47 to keep `make test` within its time: 0.37's HF export is still validated on SmolLM2 by the
+# default preset below (test_exported_default_evaluates_like_the_trained_model) and per format on tiny models.
+EXPORTS = [("hf", 1), ("trtllm", 1), ("trtllm", 2)] if uses_list_config() else [("trtllm", 1), ("trtllm", 2)]
 
 
 @pytest.fixture(scope="module")
