@@ -17,8 +17,21 @@ NVFP4_WEIGHT_ALGOS = ("NVFP4", "W4A8_NVFP4_FP8")  # same weight tensors; W4A8 ha
 FP4_ALGOS = (*NVFP4_WEIGHT_ALGOS, "MXFP4", "W4A16_MXFP4")  # upper case; modelopt writes dense MXFP4 as "mxfp4"
 
 
-def _scalar(t: torch.Tensor) -> bool:
-    return t.numel() == 1
+class _Rule:
+    """A shape rule that is not one fixed shape, with the words an error message states it in (a bare lambda
+    printed as ``<function ...>`` in the message)."""
+
+    def __init__(self, text: str, ok: Any) -> None:
+        self.text, self.ok = text, ok
+
+    def __call__(self, t: torch.Tensor) -> bool:
+        return bool(self.ok(t))
+
+    def __str__(self) -> str:
+        return self.text
+
+
+_scalar = _Rule("a per-tensor scalar", lambda t: t.numel() == 1)
 
 
 def layer_layout(algo: str, t: dict[str, torch.Tensor], group_size: int | None) -> list[tuple[str, Any, Any]]:
@@ -37,23 +50,26 @@ def layer_layout(algo: str, t: dict[str, torch.Tensor], group_size: int | None) 
         return [("weight", (F8,), (o, i)), ("weight_scale", (torch.uint8,), (o, i // 32))]
     if algo == "FP8":
         o, i = w.shape
-        return [("weight", (F8,), (o, i)), ("weight_scale", (torch.float32,), lambda s: s.numel() in (1, o)),
+        per_channel = _Rule(f"1 or {o} values", lambda s: s.numel() in (1, o))
+        return [("weight", (F8,), (o, i)), ("weight_scale", (torch.float32,), per_channel),
                 ("input_scale", (torch.float32,), _scalar)]  # fmt: skip
     if algo in ("W8A16", "W8A8_SQ_PER_CHANNEL"):
         o, i = w.shape
-        spec = [("weight", (torch.int8,), (o, i)), ("weight_scale", FLOAT_DTYPES, lambda s: s.numel() == o)]
+        per_row = _Rule(f"{o} values", lambda s: s.numel() == o)
+        spec = [("weight", (torch.int8,), (o, i)), ("weight_scale", FLOAT_DTYPES, per_row)]
         if algo == "W8A8_SQ_PER_CHANNEL":
             spec += [
                 ("input_scale", (torch.float32,), _scalar),
-                ("pre_quant_scale?", FLOAT_DTYPES, lambda s: s.numel() == i),
+                ("pre_quant_scale?", FLOAT_DTYPES, _Rule(f"{i} values", lambda s: s.numel() == i)),
             ]
         return spec
     if algo in ("W4A16_AWQ", "W4A8_AWQ"):
         o, i = w.shape[0] * 2, w.shape[1]
         g = group_size or 128
         return [("weight", (torch.uint8, torch.int8), (o // 2, i)),
-                ("weight_scale", FLOAT_DTYPES, lambda s: tuple(s.shape) in ((o, i // g), (i // g, o))),
-                ("pre_quant_scale?", FLOAT_DTYPES, lambda s: s.numel() == i)]  # fmt: skip
+                ("weight_scale", FLOAT_DTYPES, _Rule(f"{(o, i // g)} or {(i // g, o)}",
+                                                   lambda s: tuple(s.shape) in ((o, i // g), (i // g, o)))),
+                ("pre_quant_scale?", FLOAT_DTYPES, _Rule(f"{i} values", lambda s: s.numel() == i))]  # fmt: skip
     return []
 
 
@@ -76,9 +92,8 @@ def check_layout(rep: ValidationReport, mod: str, algo: str, t: dict[str, torch.
             ok = False
         good = shape(v) if callable(shape) else tuple(v.shape) == tuple(shape)
         if not good:
-            want = "a per-tensor scalar" if shape is _scalar else shape
             rep.error(full, f"shape {tuple(v.shape)} does not fit {algo} with weight {tuple(t['weight'].shape)} "
-                      f"(expected {want}).")  # fmt: skip
+                      f"(expected {shape}).")  # fmt: skip
             ok = False
         if v.dtype in FLOAT_DTYPES and not torch.isfinite(v.float()).all():
             rep.error(full, "contains NaN/Inf.")

@@ -505,7 +505,11 @@ def test_awq_scales_are_checked_against_the_declared_group_size(tmp_path):
     src = export_checkpoint(model, tmp_path / "ckpt", ExportConfig(kind="hf"))
     assert validate_export(src, model=model).ok
     errs = _errors(validate_export(_with_quant_config(src, tmp_path / "c", group_size=64)))
-    assert "does not fit W4A16_AWQ" in errs["model.layers.0.mlp.down_proj.weight_scale"]
+    t = load_file(str(src / "model.safetensors"))
+    w, s = (tuple(t[f"model.layers.0.mlp.down_proj.{n}"].shape) for n in ("weight", "weight_scale"))
+    o, i = w[0] * 2, w[1]  # two INT4 rows per byte
+    assert errs["model.layers.0.mlp.down_proj.weight_scale"] == (
+        f"shape {s} does not fit W4A16_AWQ with weight {w} (expected {(o, i // 64)} or {(i // 64, o)}).")  # fmt: skip
 
 
 def test_tensor_parallel_ranks_that_disagree_on_a_shared_scale_are_named(tmp_path):
@@ -565,3 +569,43 @@ def test_a_mixed_precision_layer_algo_trtllm_lacks_is_named_and_the_rest_still_c
         "layer quant_algo 'FP5' is not a TensorRT-LLM QuantAlgo.", "no layout known for quant_algo 'FP5'."]  # fmt: skip
     assert rep.layers == validate_export(src).layers | {mod: "FP5"}  # every other layer still checked
     assert [p.tensor for p in validate_export(bad, runtime="pytorch").errors if p.tensor == mod] == [mod]
+
+
+def test_layout_errors_name_each_tensor_and_what_it_should_be(tmp_path, nvfp4_export):
+    """Every layout problem of a layer is named (not only the first), with the dtype or shape it should have,
+    and a layer whose layout is broken is not also reported by the numeric check (it cannot be unpacked)."""
+    model, src = nvfp4_export
+    layers = [(0, "mlp.down_proj"), (1, "mlp.down_proj"), (1, "self_attn.o_proj"), (0, "self_attn.o_proj")]
+    a, b, c, d = (f"model.layers.{i}.{m}" for i, m in layers)
+
+    def corrupt(t):
+        t.pop(f"{a}.weight_scale_2"), t.pop(f"{a}.input_scale")
+        t[f"{b}.input_scale"] = torch.tensor([1.0, 2.0])
+        t[f"{c}.input_scale"] = torch.tensor(float("nan"))
+        t[f"{d}.weight_scale"] = t[f"{d}.weight_scale"].float()
+
+    rep = validate_export(_corrupt(src, tmp_path / "c", corrupt), model=model)
+    errs = {(p.tensor, p.message) for p in rep.errors if not p.tensor.endswith(".safetensors")}
+    w = tuple(load_file(str(src / "model.safetensors"))[f"{b}.weight"].shape)
+    assert errs == {
+        (f"{a}.weight_scale_2", "missing: a NVFP4 layer needs weight_scale_2 (scale tensors are part of the "
+         "checkpoint format)."),
+        (f"{a}.input_scale", "missing: a NVFP4 layer needs input_scale (scale tensors are part of the checkpoint "
+         "format)."),
+        (f"{b}.input_scale", f"shape (2,) does not fit NVFP4 with weight {w} (expected a per-tensor scalar)."),
+        (f"{c}.input_scale", "contains NaN/Inf."),
+        (f"{d}.weight_scale", "dtype torch.float32 but NVFP4 requires torch.float8_e4m3fn."),
+    }  # fmt: skip
+
+
+def test_an_optional_smoothing_scale_that_does_not_fit_is_named(tmp_path):
+    """pre_quant_scale is optional (modelopt folds it into the norm for fused siblings) but, where present,
+    must have one entry per input channel."""
+    model = calibrated_tiny_llama("int8_sq")
+    src = export_checkpoint(model, tmp_path / "ckpt", ExportConfig(kind="hf"))
+    tensors = load_file(str(src / "model.safetensors"))
+    name = next(k for k in tensors if k.endswith(".pre_quant_scale"))
+    w = tuple(tensors[name.replace("pre_quant_scale", "weight")].shape)
+    bad = _corrupt(src, tmp_path / "c", lambda t: t.__setitem__(name, t[name][:-1]))
+    assert _errors(validate_export(bad))[name] == (
+        f"shape ({w[1] - 1},) does not fit W8A8_SQ_PER_CHANNEL with weight {w} (expected {w[1]} values).")  # fmt: skip
