@@ -34,6 +34,11 @@ class _Rule:
 _scalar = _Rule("a per-tensor scalar", lambda t: t.numel() == 1)
 
 
+def _values(n: int) -> _Rule:
+    """One value per row or per input channel."""
+    return _Rule(f"{n} values", lambda t: t.numel() == n)
+
+
 def layer_layout(algo: str, t: dict[str, torch.Tensor], group_size: int | None) -> list[tuple[str, Any, Any]]:
     """[(tensor, allowed dtypes, expected shape or predicate)] for one layer; shapes from the weight."""
     w = t["weight"]
@@ -55,21 +60,20 @@ def layer_layout(algo: str, t: dict[str, torch.Tensor], group_size: int | None) 
                 ("input_scale", (torch.float32,), _scalar)]  # fmt: skip
     if algo in ("W8A16", "W8A8_SQ_PER_CHANNEL"):
         o, i = w.shape
-        per_row = _Rule(f"{o} values", lambda s: s.numel() == o)
-        spec = [("weight", (torch.int8,), (o, i)), ("weight_scale", FLOAT_DTYPES, per_row)]
+        spec = [("weight", (torch.int8,), (o, i)), ("weight_scale", FLOAT_DTYPES, _values(o))]
         if algo == "W8A8_SQ_PER_CHANNEL":
             spec += [
                 ("input_scale", (torch.float32,), _scalar),
-                ("pre_quant_scale?", FLOAT_DTYPES, _Rule(f"{i} values", lambda s: s.numel() == i)),
+                ("pre_quant_scale?", FLOAT_DTYPES, _values(i)),
             ]
         return spec
     if algo in ("W4A16_AWQ", "W4A8_AWQ"):
         o, i = w.shape[0] * 2, w.shape[1]
         g = group_size or 128
-        return [("weight", (torch.uint8, torch.int8), (o // 2, i)),
-                ("weight_scale", FLOAT_DTYPES, _Rule(f"{(o, i // g)} or {(i // g, o)}",
-                                                   lambda s: tuple(s.shape) in ((o, i // g), (i // g, o)))),
-                ("pre_quant_scale?", FLOAT_DTYPES, _Rule(f"{i} values", lambda s: s.numel() == i))]  # fmt: skip
+        grids = ((o, i // g), (i // g, o))  # either orientation of one scale per group
+        per_group = _Rule(f"{grids[0]} or {grids[1]}", lambda s: tuple(s.shape) in grids)
+        return [("weight", (torch.uint8, torch.int8), (o // 2, i)), ("weight_scale", FLOAT_DTYPES, per_group),
+                ("pre_quant_scale?", FLOAT_DTYPES, _values(i))]  # fmt: skip
     return []
 
 
