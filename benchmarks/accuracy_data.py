@@ -28,10 +28,11 @@ class AccuracyData:
     def ppl(self, model: Any) -> float:
         return evaluate(model, self.val, window=self.cfg.eval_window).as_dict()["ppl"]
 
-    def ptq(self, model: Any, policy: Any, smoothing: Any = None) -> Any:
+    def ptq(self, model: Any, policy: Any, smoothing: Any = None, block_scale_search: bool | float = False) -> Any:
         """A calibrated copy of ``model`` quantized by ``policy`` (the original is left as it was)."""
         m = copy.deepcopy(model)
-        calibration = {"num_samples": self.cfg.calib_samples, "smoothing": smoothing}
+        calibration = {"num_samples": self.cfg.calib_samples, "smoothing": smoothing,
+                       "block_scale_search": block_scale_search}  # fmt: skip
         ctl = QATController(policy=policy, calibration=calibration, forward_fn=lambda x, b: x(b))
         ctl.prepare(m)
         ctl.calibrate(m, self.calib)

@@ -5,9 +5,10 @@ each lever is then applied to a copy of it: PTQ (calibrated, no training), and f
 in ``QAD_LEVERS`` the demo's QAD stage (KL to the fine-tune, direct schedule, ``DemoConfig.qad_lr``,
 20 steps), exported as a unified HF checkpoint (validated on write) and measured as served. Levers:
 activation smoothing folded into the norms / ``up_proj`` rows (``nemo_fp4qat.qat.smoothing``) at its
-sites and strengths, and FP8 instead of NVFP4 MLP activations (policy ``nvfp4_w4a8``, same weight
-bits). Gap to BF16 = ppl / ppl(fine-tune) - 1; recovery against plain max-calibrated PTQ of the
-default policy and against the same lever's own PTQ.
+sites and strengths, minimum-error NVFP4 weight block scales applied as a weight clip
+(``nemo_fp4qat.qat.block_scale_search``), and FP8 instead of NVFP4 MLP activations (policy
+``nvfp4_w4a8``, same weight bits). Gap to BF16 = ppl / ppl(fine-tune) - 1; recovery against plain
+max-calibrated PTQ of the default policy and against the same lever's own PTQ.
 
 Run: ``.venv-core/bin/python benchmarks/bench_levers.py [--quick]`` (about 25 minutes on 2 cores),
 part of ``make bench-accuracy``. Writes ``benchmarks/results/levers.{json,md,png}``.
@@ -28,23 +29,31 @@ from nemo_fp4qat import FP4QATCallback
 from nemo_fp4qat.demo.pipeline import DemoConfig, _train
 from nemo_fp4qat.eval.gate import recovery
 
-# lever name -> (policy, smoothing spec)
-LEVERS: dict[str, tuple[str, dict | None]] = {
-    "none (default policy, max calibration)": ("default", None),
-    "smooth mlp_in a0.5": ("default", {"sites": ["mlp_in"], "alpha": 0.5}),
-    "smooth mlp_in a0.7": ("default", {"sites": ["mlp_in"], "alpha": 0.7}),
-    "smooth attn_in+mlp_in a0.5": ("default", {"sites": ["attn_in", "mlp_in"], "alpha": 0.5}),
-    "smooth attn_in+mlp_in+mlp_down a0.5": ("default", {"sites": ["attn_in", "mlp_in", "mlp_down"], "alpha": 0.5}),
-    "FP8 MLP activations (nvfp4_w4a8)": ("nvfp4_w4a8", None),
-    "FP8 MLP activations + smooth attn_in+mlp_in a0.5": ("nvfp4_w4a8", {"sites": ["attn_in", "mlp_in"], "alpha": 0.5}),
+# lever name -> (policy, smoothing spec, block scale search)
+SM_MLP = {"sites": ["mlp_in"], "alpha": 0.5}
+SM_IN = {"sites": ["attn_in", "mlp_in"], "alpha": 0.5}
+LEVERS: dict[str, tuple[str, dict | None, bool]] = {
+    "none (default policy, max calibration)": ("default", None, False),
+    "smooth mlp_in a0.5": ("default", SM_MLP, False),
+    "smooth mlp_in a0.7": ("default", {"sites": ["mlp_in"], "alpha": 0.7}, False),
+    "smooth attn_in+mlp_in a0.5": ("default", SM_IN, False),
+    "smooth attn_in+mlp_in+mlp_down a0.5": ("default", {"sites": [*SM_IN["sites"], "mlp_down"], "alpha": 0.5}, False),
+    "block scale search": ("default", None, True),
+    "block scale search + smooth mlp_in a0.5": ("default", SM_MLP, True),
+    "FP8 MLP activations (nvfp4_w4a8)": ("nvfp4_w4a8", None, False),
+    "FP8 MLP activations + smooth attn_in+mlp_in a0.5": ("nvfp4_w4a8", SM_IN, False),
+    "FP8 MLP activations + block scale search": ("nvfp4_w4a8", None, True),
 }
 NONE = "none (default policy, max calibration)"
 QAD_LEVERS = [
     NONE,
     "smooth mlp_in a0.5",
     "smooth attn_in+mlp_in a0.5",
+    "block scale search",
+    "block scale search + smooth mlp_in a0.5",
     "FP8 MLP activations (nvfp4_w4a8)",
     "FP8 MLP activations + smooth attn_in+mlp_in a0.5",
+    "FP8 MLP activations + block scale search",
 ]
 
 
@@ -80,23 +89,24 @@ def main() -> None:
         raise SystemExit(f"unknown lever(s) {sorted(unknown)}; choose from {list(LEVERS)}")
     kept = json.loads((RESULTS_DIR / "levers.json").read_text())["rows"] if args.only else {}
     rows: dict[str, dict] = {n: r for n, r in kept.items() if n not in only}
-    for name, (policy, smoothing) in LEVERS.items():
+    for name, (policy, smoothing, search) in LEVERS.items():
         if name not in only:
             continue
         t0 = time.time()
-        m = data.ptq(ft, policy, smoothing)
-        rows[name] = {"policy": policy, "smoothing": smoothing, "ptq": data.ppl(m), "ptq_s": time.time() - t0}
+        m = data.ptq(ft, policy, smoothing, search)
+        rows[name] = {"policy": policy, "smoothing": smoothing, "block_scale_search": search, "ptq": data.ppl(m),
+                      "ptq_s": time.time() - t0}  # fmt: skip
         print(f"{name}: PTQ {rows[name]['ptq']:.3f}", flush=True)
         del m
     for name in QAD_LEVERS:
         if name not in only:
             continue
-        policy, smoothing = LEVERS[name]
+        policy, smoothing, search = LEVERS[name]
         t0 = time.time()
         m = copy.deepcopy(ft)
-        cb = FP4QATCallback(policy=policy, schedule="direct", calibration={"num_samples": cfg.calib_samples,
-                            "smoothing": smoothing}, calibration_data=data.calib, forward_fn=lambda x, b: x.net(b),
-                            distillation="qad")  # fmt: skip
+        calibration = {"num_samples": cfg.calib_samples, "smoothing": smoothing, "block_scale_search": search}
+        cb = FP4QATCallback(policy=policy, schedule="direct", calibration=calibration, calibration_data=data.calib,
+                            forward_fn=lambda x, b: x.net(b), distillation="qad")  # fmt: skip
         _train(m, data.train, cfg, out, [cb], "qad", lr=cfg.qad_lr)
         in_memory = data.ppl(m)
         try:

@@ -46,7 +46,8 @@ EQUIVALENT = ROOT / "benchmarks" / "mutation_equivalent.json"
 # module -> the tests that name its behaviour (mutmut runs, per mutant, those of them that execute it)
 TARGETS: dict[str, dict] = {
     "fake_quant": {"module": "nemo_fp4qat/numerics/fake_quant.py", "tests": ["tests/numerics/test_cpu_numerics.py"]},
-    "unpack": {"module": "nemo_fp4qat/export/unpack.py", "tests": ["tests/export/test_export.py"]},
+    "unpack": {"module": "nemo_fp4qat/export/unpack.py",
+               "tests": ["tests/export/test_unpack.py", "tests/export/test_export.py"]},
     "layout": {"module": "nemo_fp4qat/export/layout.py", "tests": ["tests/export/test_export.py"]},
     "weight_check": {"module": "nemo_fp4qat/export/weight_check.py", "tests": ["tests/export/test_export.py"]},
     "validate": {"module": "nemo_fp4qat/export/validate.py", "tests": ["tests/export/test_export.py"]},
@@ -238,7 +239,14 @@ def main() -> int:
         write_results(json.loads((RESULTS / "mutation.json").read_text()))
         return 0
     if args.recheck_survivors:
-        return recheck_survivors(args.only or [], args.max_children)
+        measured = json.loads((RESULTS / "mutation.json").read_text())
+        names = args.only or []
+        missing = [n for n in names if n not in TARGETS or n not in measured]
+        if not names or missing:
+            what = f"{missing} have no full run in mutation.json" if missing else "no target was given"
+            p.error(f"--recheck-survivors needs --only NAME... ({what}); targets with a full run: "
+                    f"{', '.join(n for n in TARGETS if n in measured)}")  # fmt: skip
+        return recheck_survivors(names, args.max_children)
     names = args.only or os.environ.get("MUTATE_TARGETS", "").split() or QUICK
     if names == ["all"]:
         names = ["c_kernel", *TARGETS]

@@ -59,12 +59,17 @@ class DemoConfig:
     # activation smoothing folded into the weights before calibration (``nemo_fp4qat.qat.smoothing``;
     # None: off), for the PTQ row and the QAT stage alike
     smoothing: Any = None
+    # minimum-error NVFP4 weight block scales, applied as a weight clip after calibration
+    # (``nemo_fp4qat.qat.block_scale_search``), for the PTQ row and the QAT stage alike
+    block_scale_search: bool | float = False
     seed: int = 0
 
     def __post_init__(self) -> None:
+        from ..qat.calibration import CalibrationConfig
         from ..qat.smoothing import SmoothingConfig
 
         SmoothingConfig.resolve_spec(self.smoothing)  # refuse a bad spec before the model loads
+        CalibrationConfig(num_samples=100, block_scale_search=self.block_scale_search)  # the same for this one
         if self.mode not in ("qad", "qat"):
             raise ValueError(f"demo mode {self.mode!r} is not known; use 'qad' (default) or 'qat'.")
 
@@ -183,7 +188,8 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float) -> int:
           f"perplexity {variants['bf16_finetuned']['ppl']:.3f}")  # fmt: skip
 
     ptq = copy.deepcopy(ft)
-    calibration = {"num_samples": cfg.calib_samples, "smoothing": cfg.smoothing}
+    calibration = {"num_samples": cfg.calib_samples, "smoothing": cfg.smoothing,
+                   "block_scale_search": cfg.block_scale_search}  # fmt: skip
     ctl = QATController(policy=cfg.policy, schedule="direct", calibration=calibration, forward_fn=lambda m, b: m(b))
     ctl.prepare(ptq)
     ctl.calibrate(ptq, calib)

@@ -41,6 +41,10 @@ class CalibrationConfig:
         smoothing: fold SmoothQuant factors into the norms / ``up_proj`` rows before the first
             calibration (``True``, an alpha, a dict or a :class:`SmoothingConfig`; ``None``: off).
             A plain-model transform: exports need nothing extra.
+        block_scale_search: after each calibration, give every NVFP4 weight block the E4M3 scale of least
+            quantization error (``True``, or the lowest scale to try as a fraction of the max rule's, in
+            (0, 1); ``True`` is 0.5), applied by clipping the weights (``nemo_fp4qat.qat.block_scale_search``):
+            exports and runtimes derive the same scales with nothing extra.
     """
 
     num_samples: int = 128
@@ -49,11 +53,18 @@ class CalibrationConfig:
     recalibrate_on_switch: bool = True
     sync_ranks: bool = True
     smoothing: Any = None
+    block_scale_search: bool | float = False
 
     def __post_init__(self) -> None:
         from .smoothing import SmoothingConfig  # smoothing imports this module's helpers
 
         self.smoothing = SmoothingConfig.resolve_spec(self.smoothing)
+        bss = self.block_scale_search
+        if not isinstance(bss, (bool, int, float)) or (not isinstance(bss, bool) and not 0 < bss < 1):
+            raise ValueError(
+                f"calibration block_scale_search must be true/false or the lowest block scale to try as a fraction "
+                f"of the max rule's, in (0, 1) (e.g. 0.5), got {bss!r}."
+            )
         if not isinstance(self.num_samples, int) or self.num_samples < 1:
             raise ValueError(f"calibration num_samples must be a positive int, got {self.num_samples!r}")
         if not 100 <= self.num_samples <= 500:

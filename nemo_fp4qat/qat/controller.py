@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from ..numerics.formats import QuantFormat, get_format
+from .block_scale_search import BlockClip, clip_nvfp4_weights
 from .calibration import CalibrationConfig, default_forward, run_calibration, sync_amax_across_ranks
 from .config import QATConfig
 from .fused_siblings import find_fused_siblings, share_fused_amax
@@ -87,6 +88,7 @@ class QATController:
         self.total_steps: int | None = None
         self.calib_batches: list[Any] = []
         self.smoothed: list[SmoothingSite] = []  # sites smoothed by this run's calibration
+        self.block_clips: dict[str, BlockClip] = {}  # layer -> what the block scale search changed
         self.fused_groups: list[list[str]] = []
         self.pins: dict[str, int] = {}  # layer group -> highest stage index it may use (rollbacks)
         self._step = 0
@@ -179,10 +181,26 @@ class QATController:
         if self.calibration.smoothing is not None and not self.calibrated:
             # once per run, before the first amax: the smoothed weights are what the checkpoint holds
             self.smoothed = smooth_model(model, self.calib_batches, self.calibration.smoothing, self.forward_fn)
+        first = not self.calibrated
         run_calibration(model, self.calib_batches, self._algorithm(), self.forward_fn)
         scale_w4a8_weight_amax(model)
         self._after_calibration(model)
+        if first:  # once per layer and format: a clipped weight searched again would be clipped further
+            self._search_block_scales(model, None)
         self.calibrated = True
+
+    def _search_block_scales(self, model: nn.Module, modules: set[str] | None) -> None:
+        bss = self.calibration.block_scale_search
+        if bss is False or (modules is not None and not modules):
+            return
+        ratio = 0.5 if bss is True else float(bss)
+        found = clip_nvfp4_weights(model, modules, min_ratio=ratio)
+        self.block_clips.update(found)
+        if found:
+            clipped = sum(c.clipped for c in found.values())
+            blocks = sum(c.blocks for c in found.values())
+            log.info("nemo_fp4qat: block scale search lowered %d of %d NVFP4 weight block scales (%d layers)",
+                     clipped, blocks, len(found))  # fmt: skip
 
     def _after_calibration(self, model: nn.Module) -> None:
         if self.calibration.sync_ranks:
@@ -234,6 +252,7 @@ class QATController:
             needs = [m for m, (w, i) in changed.items() if get_format(w).needs_amax or get_format(i).needs_amax]
             if needs:
                 self._recalibrate(model, needs)
+            self._search_block_scales(model, {m for m, (w, _) in changed.items() if w != old[m][0]})
             targets = self._targets()
             by_group: dict[tuple[str, str, str], int] = {}
             for m, (w, _) in changed.items():

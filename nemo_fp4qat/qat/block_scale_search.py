@@ -1,0 +1,135 @@
+"""Minimum-error NVFP4 block scales, applied as a weight clip: a lever that deploys at no runtime cost.
+
+NVFP4 scales each 16-element block by ``E4M3(block_max / 6 / s_t) * s_t`` (``s_t`` the per-tensor
+scale ``amax / (6 * 448)``). The max rule never clips, but spends the block's 15 other values on a
+grid stretched to reach one outlier; a smaller E4M3 scale often has a lower block error. This
+module searches, per block, the E4M3 scale codes from the max rule's code down to ``min_ratio`` of
+it and keeps the one with the least squared error of the block's quantize-dequantize.
+
+The choice is applied by clipping the block's weights to ``6 * scale``: the max rule then *derives*
+the chosen scale from the clipped weights (their block max is ``6 * scale`` exactly, and values above
+it saturated to ``6 * scale`` anyway), so training, modelopt 0.37's and 0.47's exporters and every
+runtime reproduce it with no stored state and no extra op. The blocks holding the tensor's max are
+left alone, so a per-tensor amax recomputed from the weights (an exporter, a re-calibration) equals
+the one searched with.
+
+modelopt 0.47 has a related search (``mse_calibrate(..., fp8_scale_sweep=True)`` on static NVFP4
+weight quantizers), but it keeps the scales as per-block state that only 0.47's exporter writes, its
+static fake quant is Triton-only, and 0.37 (NeMo 2.7.3's) has none of it; hence this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from ..numerics.fake_quant import _blocked, _nan_free_block_amax, _nvfp4_global_scale, _unblocked, round_to_minifloat
+from ..numerics.formats import format_of_quantizer
+
+__all__ = ["BlockClip", "clip_nvfp4_weights", "search_nvfp4_block_clip"]
+
+_E2M1_MAX = 6.0
+_E4M3_MAX = 448.0
+_MIN_SCALE = 1e-5  # below this the fake quant (modelopt's kernels too) uses a block scale of 1
+
+
+@dataclass
+class BlockClip:
+    """What the search did to one weight: blocks whose scale it lowered, and the weight's error."""
+
+    blocks: int
+    clipped: int
+    mse_max_rule: float
+    mse_searched: float
+
+
+@torch.no_grad()
+def search_nvfp4_block_clip(
+    weight: torch.Tensor, amax: torch.Tensor | float | None, block_size: int = 16, min_ratio: float = 0.5
+) -> tuple[torch.Tensor, BlockClip]:
+    """The weight clipped to each block's minimum-error NVFP4 scale (a new tensor), and a summary.
+
+    ``amax`` is the weight quantizer's per-tensor amax (``None``: the weight's own), as the fake quant
+    uses it. Candidates are consecutive E4M3 codes below the max rule's (adjacent codes differ by
+    1/16 to 1/8), down to ``min_ratio`` times its scale.
+    """
+    gs = _nvfp4_global_scale(weight, amax, None)
+    xb, n = _blocked(weight, block_size)
+    xabs = torch.nan_to_num(xb.abs(), nan=0.0)
+    block_max = _nan_free_block_amax(xabs)
+    none = BlockClip(blocks=block_max.numel(), clipped=0, mse_max_rule=0.0, mse_searched=0.0)
+    if not (gs > 0 and torch.isfinite(torch.tensor(gs))):
+        return weight.clone(), none
+    gs_t = torch.tensor(gs, dtype=torch.float32)
+
+    def block_error(scale: torch.Tensor) -> torch.Tensor:
+        q = round_to_minifloat(xabs / scale, (2, 1)) * scale  # saturates at 6 * scale, as the kernel does
+        return (q - xabs).square().sum(-1, keepdim=True)
+
+    code0 = torch.clamp(block_max / (_E2M1_MAX * gs_t), max=_E4M3_MAX).to(torch.float8_e4m3fn)
+    scale0 = code0.float() * gs_t
+    usable = scale0 >= _MIN_SCALE
+    base_err = block_error(torch.where(usable, scale0, torch.ones_like(scale0)))
+    best_err, best_scale = base_err.clone(), scale0.clone()
+    bits = code0.view(torch.uint8).to(torch.int16)
+    k = 1
+    while True:  # E4M3 codes of positive values are ordered as their bit patterns: code - k is the k-th below
+        cand_bits = bits - k
+        scale = cand_bits.clamp(min=1).to(torch.uint8).view(torch.float8_e4m3fn).float() * gs_t
+        ok = usable & (cand_bits >= 1) & (scale >= min_ratio * scale0) & (scale >= _MIN_SCALE)
+        if not bool(ok.any()):
+            break
+        err = block_error(torch.where(ok, scale, torch.ones_like(scale)))
+        better = ok & (err < best_err)
+        best_err = torch.where(better, err, best_err)
+        best_scale = torch.where(better, scale, best_scale)
+        k += 1
+    # the blocks that hold the tensor's max keep it (so a per-tensor amax recomputed from the weights is unchanged)
+    keep = block_max >= block_max.max()
+    lowered = (best_scale < scale0) & ~keep
+    clip_at = torch.where(lowered, _E2M1_MAX * best_scale, torch.full_like(best_scale, float("inf")))
+    clipped = torch.where(xb.abs() > clip_at, torch.sign(xb) * clip_at, xb)
+    blocks = block_max.numel()
+    summary = BlockClip(
+        blocks=blocks,
+        clipped=int(lowered.sum()),
+        mse_max_rule=float(base_err.sum()) / weight.numel(),
+        mse_searched=float(torch.where(lowered, best_err, base_err).sum()) / weight.numel(),
+    )
+    return _unblocked(clipped, weight, n), summary
+
+
+def _is_nvfp4(quantizer: nn.Module | None) -> bool:
+    if quantizer is None or not getattr(quantizer, "is_enabled", False):
+        return False
+    try:
+        return format_of_quantizer(quantizer).name == "nvfp4"
+    except ValueError:  # a configuration no registered format describes
+        return False
+
+
+@torch.no_grad()
+def clip_nvfp4_weights(
+    model: nn.Module, modules: set[str] | None = None, min_ratio: float = 0.5
+) -> dict[str, BlockClip]:
+    """Clip the weights of every calibrated NVFP4-weight layer (or those in ``modules``) in place.
+
+    Runs after calibration: the search uses each weight quantizer's amax as training will (W4A8
+    layers' included, ``nemo_fp4qat.qat.w4a8_scaling``). Returns the summary per layer.
+    """
+    out: dict[str, BlockClip] = {}
+    for name, mod in model.named_modules():
+        if modules is not None and name not in modules:
+            continue
+        wq, weight = getattr(mod, "weight_quantizer", None), getattr(mod, "weight", None)
+        if not isinstance(weight, torch.Tensor) or not _is_nvfp4(wq):
+            continue
+        amax = getattr(wq, "_amax", None)
+        if not isinstance(amax, torch.Tensor):
+            continue
+        block = int((getattr(wq, "block_sizes", None) or {}).get(-1, 16))
+        clipped, out[name] = search_nvfp4_block_clip(weight.data, amax, block, min_ratio)
+        weight.data.copy_(clipped)
+    return out

@@ -1,0 +1,150 @@
+"""Minimum-error NVFP4 block scales applied as a weight clip (#17).
+
+The search is checked against a float64 brute force over the E4M3 scale codes (``reference_numerics``,
+no code shared with the package), with the clipped weight quantized by modelopt's own export path
+(``NVFP4QTensor``): the exporter must derive the searched scale from the clipped weights alone. The
+controller applies it once per layer and format, to NVFP4 weights only.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from nemo_fp4qat import QATController
+from nemo_fp4qat.numerics.cpu_shims import modelopt_export_on_cpu
+from nemo_fp4qat.numerics.fake_quant import fake_quant_nvfp4
+from nemo_fp4qat.qat.block_scale_search import search_nvfp4_block_clip
+from nemo_fp4qat.qat.calibration import CalibrationConfig
+
+from reference_numerics import minifloat_values, round_ref
+from tiny_models import VOCAB, tiny_llama
+
+E4M3 = minifloat_values(4, 3)
+
+
+def _weight(rows: int, blocks: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    heavy = torch.randn(rows, 16 * blocks, generator=g) / torch.rand(rows, 16 * blocks, generator=g).clamp(min=0.05)
+    return heavy * 0.02  # outliers in most blocks, as trained weights have
+
+
+def _reference_block_errors(w: torch.Tensor, min_ratio: float) -> tuple[np.ndarray, np.ndarray]:
+    """float64: each block's error under the max rule and the least error over E4M3 scales in
+    [min_ratio * s_max, s_max] (the block holding the tensor's max: its max-rule error only)."""
+    x = w.double().numpy().reshape(w.shape[0], -1, 16)
+    gs = np.float64(np.float32(np.float32(np.abs(x).max()) / np.float32(6 * 448)))
+    max_rule, best = np.zeros(x.shape[:2]), np.zeros(x.shape[:2])
+    top = np.abs(x).max()
+    for r in range(x.shape[0]):
+        for b in range(x.shape[1]):
+            blk = np.abs(x[r, b])
+            s_max = round_ref(np.array([blk.max() / 6 / gs]), 4, 3)[0]
+
+            def err(s: float, blk: np.ndarray = blk) -> float:
+                return float(((round_ref(blk / (s * gs), 2, 1) * s * gs - blk) ** 2).sum())
+
+            max_rule[r, b] = err(s_max)
+            cands = [s for s in E4M3 if min_ratio * s_max <= s <= s_max and s * gs >= 1e-5]
+            best[r, b] = max_rule[r, b] if blk.max() == top else min(err(s) for s in cands)
+    return max_rule, best
+
+
+def _export_block_errors(clipped: torch.Tensor, w: torch.Tensor) -> np.ndarray:
+    """Each block's error of what modelopt's exporter writes for ``clipped``, against the original ``w``."""
+    from modelopt.torch.quantization.qtensor import NVFP4QTensor
+
+    with modelopt_export_on_cpu():
+        q, s, s2 = NVFP4QTensor.quantize(clipped, 16)
+    deq = q.dequantize(dtype=torch.float32, scale=s, double_scale=s2, block_sizes={-1: 16})
+    return (deq.double() - w.double()).square().reshape(w.shape[0], -1, 16).sum(-1).numpy()
+
+
+@pytest.mark.parametrize(("seed", "min_ratio"), [(0, 0.5), (1, 0.5), (2, 0.75)])
+def test_searched_scales_are_the_least_error_e4m3_codes_and_the_exporter_derives_them(seed, min_ratio):
+    w = _weight(6, 5, seed)
+    clipped, summary = search_nvfp4_block_clip(w, w.abs().amax(), 16, min_ratio)
+    max_rule, best = _reference_block_errors(w, min_ratio)
+    exported = _export_block_errors(clipped, w)
+    np.testing.assert_allclose(exported, best, rtol=1e-5, atol=1e-12)
+    assert (best < max_rule * (1 - 1e-9)).sum() == summary.clipped > 0  # blocks whose scale the search lowered
+    assert summary.blocks == 30
+    np.testing.assert_allclose(summary.mse_max_rule, max_rule.sum() / w.numel(), rtol=1e-5)
+    np.testing.assert_allclose(summary.mse_searched, best.sum() / w.numel(), rtol=1e-5)
+    # the tensor max is kept (a per-tensor amax recomputed from the weights is the one searched with), and the
+    # training fake quant computes the same as the exporter
+    assert clipped.abs().max() == w.abs().max()
+    torch.testing.assert_close(fake_quant_nvfp4(clipped, w.abs().amax()).double().sub(w.double()).square()
+                               .reshape(6, -1, 16).sum(-1).numpy(), exported, rtol=1e-6, atol=0)  # fmt: skip
+
+
+def test_bf16_weights_clip_to_the_same_codes():
+    w = _weight(4, 8, 3)
+    clipped, _ = search_nvfp4_block_clip(w.bfloat16(), w.bfloat16().abs().amax())
+    ref, _ = search_nvfp4_block_clip(w.bfloat16().float(), w.bfloat16().float().abs().amax())
+    assert clipped.dtype == torch.bfloat16
+    amax = w.bfloat16().float().abs().amax()
+    assert torch.equal(fake_quant_nvfp4(clipped.float(), amax), fake_quant_nvfp4(ref, amax))
+
+
+def _batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, VOCAB, (2, 16), generator=g) for _ in range(3)]
+
+
+def _calibrated(search, schedule="direct") -> tuple[QATController, torch.nn.Module]:
+    model = tiny_llama(seed=2)
+    ctl = QATController(policy="default", schedule=schedule, forward_fn=lambda m, b: m(b),
+                        calibration={"num_samples": 6, "block_scale_search": search})  # fmt: skip
+    ctl.prepare(model)
+    ctl.calibrate(model, _batches())
+    return ctl, model
+
+
+def _weight_error(model: torch.nn.Module, plain: torch.nn.Module, name: str) -> float:
+    mod, ref = dict(model.named_modules())[name], dict(plain.named_modules())[name]
+    with torch.no_grad():
+        return float((mod.weight_quantizer(mod.weight) - ref.weight).double().square().sum())
+
+
+def test_calibration_clips_nvfp4_weights_once_and_nothing_else():
+    """The default policy: NVFP4 MLP weights are searched (their error against the unclipped weights
+    drops); FP8 attention, embeddings and norms are untouched; a second calibrate (a resume) does not clip
+    the clipped weights again."""
+    ctl, model = _calibrated(True)
+    _, plain = _calibrated(False)
+    mlp = {n for n, _ in model.named_modules() if n.endswith(("gate_proj", "up_proj", "down_proj"))}
+    assert set(ctl.block_clips) == mlp and all(c.clipped > 0 for c in ctl.block_clips.values())
+    changed = {k for k, v in model.state_dict().items() if not torch.equal(v, plain.state_dict()[k])}
+    assert changed == {f"{n}.weight" for n in mlp}
+    for n in mlp:
+        assert _weight_error(model, plain, n) < _weight_error(plain, plain, n)
+    snapshot = copy.deepcopy(model.state_dict())
+    ctl.calibrate(model)
+    assert all(torch.equal(v, snapshot[k]) for k, v in model.state_dict().items())
+
+
+def test_a_progressive_run_searches_at_the_switch_to_nvfp4():
+    schedule = {"stages": [{"start": 0, "format": "fp8"}, {"start": 2, "format": "nvfp4"}]}
+    ctl, model = _calibrated(True, schedule)
+    assert ctl.block_clips == {}  # FP8 weights: nothing to search
+    before = copy.deepcopy(model.state_dict())
+    ctl.step(model, 0)
+    ctl.step(model, 1)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    ctl.step(model, 2)
+    mlp = {n for n, _ in model.named_modules() if n.endswith(("gate_proj", "up_proj", "down_proj"))}
+    assert set(ctl.block_clips) == mlp
+    after = copy.deepcopy(model.state_dict())
+    ctl.step(model, 3)  # no switch: no second search
+    assert all(torch.equal(v, after[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("bad", [1.5, 0.0, "yes", None])
+def test_a_bad_setting_names_the_fix(bad):
+    with pytest.raises(ValueError, match=r"block_scale_search must be true/false or the lowest block scale.*\(0, 1\)"):
+        CalibrationConfig(num_samples=128, block_scale_search=bad)
+    assert CalibrationConfig(num_samples=128, block_scale_search=0.6).block_scale_search == 0.6
