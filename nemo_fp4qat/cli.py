@@ -48,7 +48,8 @@ def _demo(args: argparse.Namespace) -> int:
         smoothing = {k: v for k, v in (("sites", args.smoothing), ("alpha", args.smoothing_alpha)) if v}
     return run_demo(out_dir=args.out, quick=args.quick, steps=args.steps, distill_alpha=args.distill,
                     schedule=args.schedule, policy=args.policy, mode=args.mode, qad_lr=args.qad_lr,
-                    qad_steps=args.qad_steps, plain_qat=args.plain_qat or None, smoothing=smoothing)  # fmt: skip
+                    qad_steps=args.qad_steps, plain_qat=args.plain_qat or None, smoothing=smoothing,
+                    block_scale_search=args.block_scale_search)  # fmt: skip
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -203,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "before calibration at these sites (attn_in mlp_in mlp_down; none given: the default sites), "
                    "'off' to disable")  # fmt: skip
     d.add_argument("--smoothing-alpha", type=float, help="migration strength of --smoothing (default 0.5)")
+    d.add_argument("--block-scale-search", action=argparse.BooleanOptionalAction, help="clip NVFP4 weights to their "
+                   "minimum-error block scales after calibration (default: the demo's recipe)")  # fmt: skip
     d.set_defaults(fn=_demo)
     e = sub.add_parser("eval", help="evaluate a model, or check a comparison report against the quality gate")
     e.add_argument("--report", help="report.json written by `demo` (variants to compare)")

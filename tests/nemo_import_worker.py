@@ -55,7 +55,17 @@ def main(cache: str) -> None:
         qn = QATController(policy="default", forward_fn=mcore_fwd)
         out["nemo_table"] = counts(qn.prepare(megatron_module(nemo)))
         qn.calibrate(megatron_module(nemo), calib)
+        # layer 0's quantized inputs, to compare with HF's below (the first layer sees the same fp32 inputs)
+        seen: dict[str, torch.Tensor] = {}
+        l0 = megatron_module(nemo).decoder.layers[0]
+        pairs = {"qkv": l0.self_attention.linear_qkv, "proj": l0.self_attention.linear_proj,
+                 "fc1": l0.mlp.linear_fc1, "fc2": l0.mlp.linear_fc2}  # fmt: skip
+        hooks = [m.input_quantizer.register_forward_hook(lambda _m, _a, o, k=k: seen.setdefault(f"nemo_{k}", o))
+                 for k, m in pairs.items()]  # fmt: skip
         got_q = megatron_logits(nemo, tokens)
+        for h in hooks:
+            h.remove()
+        nemo_layers = megatron_module(nemo).decoder.layers
         layer = megatron_module(nemo).decoder.layers[0]
         fq = {
             "qkv": layer.self_attention.linear_qkv.weight_quantizer(layer.self_attention.linear_qkv.weight),
@@ -65,8 +75,28 @@ def main(cache: str) -> None:
     qh = QATController(policy="default", forward_fn=lambda m, b: m(b))
     out["hf_table"] = counts(qh.prepare(hf))
     qh.calibrate(hf, calib)
+    h0 = hf.model.layers[0]
+    pairs = {"qkv": h0.self_attn.q_proj, "proj": h0.self_attn.o_proj, "fc1": h0.mlp.gate_proj, "fc2": h0.mlp.down_proj}
+    hooks = [m.input_quantizer.register_forward_hook(lambda _m, _a, o, k=k: seen.setdefault(f"hf_{k}", o))
+             for k, m in pairs.items()]  # fmt: skip
     with torch.no_grad():
         ref_q = hf(tokens).logits
+    for h in hooks:
+        h.remove()
+    # megatron activations are [seq, batch, hidden], HF's [batch, seq, hidden]
+    out["layer0_quantized_input_max_diff"] = max(
+        float((seen[f"nemo_{k}"].transpose(0, 1) - seen[f"hf_{k}"]).abs().max()) for k in pairs
+    )
+    # every quantizer's amax, NeMo's fused layer against its HF siblings, all layers
+    rel = []
+    for n, h in zip(nemo_layers, hf.model.layers, strict=True):
+        for nm, hm in ((n.self_attention.linear_qkv, h.self_attn.q_proj),
+                       (n.self_attention.linear_proj, h.self_attn.o_proj),
+                       (n.mlp.linear_fc1, h.mlp.gate_proj), (n.mlp.linear_fc2, h.mlp.down_proj)):  # fmt: skip
+            for q in ("input_quantizer", "weight_quantizer"):
+                a, b = getattr(nm, q)._amax.float(), getattr(hm, q)._amax.float()
+                rel.append(float(((a - b).abs() / b.abs().clamp(min=1e-12)).max()))
+    out["amax_max_rel_diff"], out["amax_compared"] = max(rel), len(rel)
     h = hf.model.layers[0]
     names = ("gate_proj", "up_proj", "down_proj")
     wq = {n: getattr(h.mlp, n).weight_quantizer(getattr(h.mlp, n).weight) for n in names}

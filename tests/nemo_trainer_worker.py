@@ -49,7 +49,9 @@ if __name__ == "__main__":
         qat = NeMoFP4QATCallback(
             policy="fp_embeddings",
             schedule={"stages": stages},
-            calibration=4,
+            # the block scale search runs at the switch to NVFP4: data-parallel ranks calibrate on different samples
+            # and must still clip their replicas alike; the export must still validate code for code
+            calibration={"num_samples": 4, "block_scale_search": True},
             export_dir=EXPORT_DIR,
             distillation=True if qad else None,
         )
@@ -158,6 +160,7 @@ if __name__ == "__main__":
             tp = parallel_state.get_tensor_model_parallel_world_size()
             json.dump({**marks, "tp": tp, "amax": amax, "seen": seen, "history": qat.controller.history,
                        "calibrated": qat.controller.calibrated, "losses": losses, "final_amax": float(final_q.amax),
-                       "final_num_bits": list(final_q.num_bits),
+                       "final_num_bits": list(final_q.num_bits), "final_fc1": fingerprint(model),
+                       "block_clips": sorted(qat.controller.block_clips),
                        "nonfinite": [[f.layer, f.step, f.metric, f.value] for f in monitor.findings
                                      if f.problem == "nonfinite"] if extra else None}, f)  # fmt: skip

@@ -1,7 +1,8 @@
 """Comparison of pipeline variants and the quality gate that can stop a CI/CD pipeline.
 
 Variants (same data): ``bf16`` (original), ``bf16_finetuned`` (same data and step budget as QAT:
-the fair baseline), ``ptq`` (PTQ of the fine-tuned baseline) and ``qat``.
+the fair baseline), ``ptq`` (PTQ of the fine-tuned baseline, max calibration), optionally ``ptq_recipe``
+(the same with the recipe's deployable levers: the QAT stage's start) and ``qat``.
 ``recovery = (ppl_PTQ - ppl_QAT) / (ppl_PTQ - ppl_BF16_finetuned)``: 1.0 means QAT closes the whole
 gap PTQ opens, 0 means no better than PTQ.
 """
@@ -101,9 +102,13 @@ def write_report(
         # the headline: no choice of PTQ baseline can inflate it
         gap = variants["qat"]["ppl"] / variants["bf16_finetuned"]["ppl"] - 1.0
     gate_res = (gate or QualityGate()).check(variants) if {"qat", "bf16_finetuned"} <= set(variants) else None
+    own = None
+    if {"ptq_recipe", "qat", "bf16_finetuned"} <= set(variants):  # the QAT stage's own start (PTQ with levers)
+        own = recovery(variants["ptq_recipe"]["ppl"], variants["qat"]["ppl"], variants["bf16_finetuned"]["ppl"])
     report = {
         "variants": variants,
         "recovery": rec,
+        **({"recovery_vs_recipe_ptq": own} if own is not None else {}),
         "gap_to_bf16": gap,
         "gate": asdict(gate_res) if gate_res else None,
         "gate_config": asdict(gate or QualityGate()),
@@ -119,7 +124,9 @@ def write_report(
     if gap is not None:
         md.append(f"Gap to the BF16 fine-tune (ppl_QAT / ppl_BF16_finetuned - 1): **{100 * gap:.1f}%**  ")
     if rec is not None:
-        md.append(f"Recovery (PTQ -> QAT gap closed vs the fine-tuned baseline): **{rec:.3f}**")
+        md.append(f"Recovery (PTQ -> QAT gap closed vs the fine-tuned baseline): **{rec:.3f}**  ")
+    if own is not None:
+        md.append(f"Recovery against the recipe's own PTQ (`ptq_recipe`): **{own:.3f}**  ")
     if gate_res is not None:
         md.append(f"Quality gate: **{'PASS' if gate_res.passed else 'FAIL'}** " + "; ".join(gate_res.failures))
     (out / "report.md").write_text("\n".join(md) + "\n")

@@ -136,6 +136,14 @@ def preflight(model: nn.Module, runtime: str = "trtllm", tensor_parallel: int = 
                 "(a checkpoint TensorRT-LLM cannot load). Export with modelopt >= 0.40, or train int8_sq."
             )
             continue
+        if f.name == "mxfp8" and old_modelopt:
+            # measured with 0.37: the TensorRT-LLM export labels the layers fp8_pb_wo (FP8 with 128 x 128
+            # float block scales, another format) and the unified HF export raises inside modelopt
+            problems.append(
+                f"{lf.module}: MXFP8; modelopt < 0.40 exports MXFP8 as fp8_pb_wo (FP8 per-block weight-only, a "
+                "different scale layout) or fails. Export with modelopt >= 0.40 (the core environment)."
+            )
+            continue
         if runtime == "trtllm" and f.name == "nvfp4" and _input_format(iq) not in ("nvfp4", "fp8"):
             # TensorRT-LLM has NVFP4 (W4A4) and W4A8_NVFP4_FP8 kernels, no W4A16 NVFP4; modelopt 0.47
             # labels such a layer W4A16_NVFP4, modelopt 0.37 labels it NVFP4 without an input scale.

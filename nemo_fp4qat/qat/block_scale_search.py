@@ -20,53 +20,70 @@ static fake quant is Triton-only, and 0.37 (NeMo 2.7.3's) has none of it; hence 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
 
 from ..numerics.fake_quant import _blocked, _nan_free_block_amax, _nvfp4_global_scale, _unblocked, round_to_minifloat
 from ..numerics.formats import format_of_quantizer
+from .calibration import _data_parallel_group, _device_of, _map_tensors
 
-__all__ = ["BlockClip", "clip_nvfp4_weights", "search_nvfp4_block_clip"]
+__all__ = ["DEFAULT_MIN_RATIO", "BlockClip", "clip_nvfp4_weights", "input_second_moments", "search_nvfp4_block_clip"]
 
 _E2M1_MAX = 6.0
 _E4M3_MAX = 448.0
 _MIN_SCALE = 1e-5  # below this the fake quant (modelopt's kernels too) uses a block scale of 1
+# Lowest scale tried, as a fraction of the max rule's. Measured on the demo's PTQ (SmolLM2, output-weighted
+# error): 0.5 clips too hard (47.35), 0.9 barely moves (47.80), 0.75 is best (46.93; max rule 48.33).
+DEFAULT_MIN_RATIO = 0.75
 
 
 @dataclass
 class BlockClip:
-    """What the search did to one weight: blocks whose scale it lowered, and the weight's error."""
+    """What the search did to one weight: blocks whose scale it lowered, and its quantization error (mean
+    squared, per element, weighted per input channel when the search was) under the max rule and after."""
 
     blocks: int
     clipped: int
-    mse_max_rule: float
-    mse_searched: float
+    error_max_rule: float
+    error_searched: float
 
 
 @torch.no_grad()
 def search_nvfp4_block_clip(
-    weight: torch.Tensor, amax: torch.Tensor | float | None, block_size: int = 16, min_ratio: float = 0.5
+    weight: torch.Tensor,
+    amax: torch.Tensor | float | None,
+    block_size: int = 16,
+    min_ratio: float = DEFAULT_MIN_RATIO,
+    channel_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, BlockClip]:
     """The weight clipped to each block's minimum-error NVFP4 scale (a new tensor), and a summary.
 
     ``amax`` is the weight quantizer's per-tensor amax (``None``: the weight's own), as the fake quant
     uses it. Candidates are consecutive E4M3 codes below the max rule's (adjacent codes differ by
-    1/16 to 1/8), down to ``min_ratio`` times its scale.
+    1/16 to 1/8), down to ``min_ratio`` times its scale. ``channel_weight`` (one value per input
+    channel, e.g. the mean square of the layer's input) weights each element's squared error: the
+    error of the layer's output ``x @ W.T`` rather than of the weight (a diagonal of GPTQ's Hessian).
     """
     gs = _nvfp4_global_scale(weight, amax, None)
     xb, n = _blocked(weight, block_size)
     xabs = torch.nan_to_num(xb.abs(), nan=0.0)
     block_max = _nan_free_block_amax(xabs)
-    none = BlockClip(blocks=block_max.numel(), clipped=0, mse_max_rule=0.0, mse_searched=0.0)
+    none = BlockClip(blocks=block_max.numel(), clipped=0, error_max_rule=0.0, error_searched=0.0)
     if not (gs > 0 and torch.isfinite(torch.tensor(gs))):
         return weight.clone(), none
     gs_t = torch.tensor(gs, dtype=torch.float32)
+    cw = None
+    if channel_weight is not None:
+        cw, _ = _blocked(channel_weight.reshape(1, -1).to(xb.dtype), block_size)  # [1, nblocks, block]
 
     def block_error(scale: torch.Tensor) -> torch.Tensor:
         q = round_to_minifloat(xabs / scale, (2, 1)) * scale  # saturates at 6 * scale, as the kernel does
-        return (q - xabs).square().sum(-1, keepdim=True)
+        e = (q - xabs).square()
+        return (e if cw is None else e * cw).sum(-1, keepdim=True)
 
     code0 = torch.clamp(block_max / (_E2M1_MAX * gs_t), max=_E4M3_MAX).to(torch.float8_e4m3fn)
     scale0 = code0.float() * gs_t
@@ -95,8 +112,8 @@ def search_nvfp4_block_clip(
     summary = BlockClip(
         blocks=blocks,
         clipped=int(lowered.sum()),
-        mse_max_rule=float(base_err.sum()) / weight.numel(),
-        mse_searched=float(torch.where(lowered, best_err, base_err).sum()) / weight.numel(),
+        error_max_rule=float(base_err.sum()) / weight.numel(),
+        error_searched=float(torch.where(lowered, best_err, base_err).sum()) / weight.numel(),
     )
     return _unblocked(clipped, weight, n), summary
 
@@ -112,12 +129,16 @@ def _is_nvfp4(quantizer: nn.Module | None) -> bool:
 
 @torch.no_grad()
 def clip_nvfp4_weights(
-    model: nn.Module, modules: set[str] | None = None, min_ratio: float = 0.5
+    model: nn.Module,
+    modules: set[str] | None = None,
+    min_ratio: float = DEFAULT_MIN_RATIO,
+    channel_weights: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, BlockClip]:
     """Clip the weights of every calibrated NVFP4-weight layer (or those in ``modules``) in place.
 
     Runs after calibration: the search uses each weight quantizer's amax as training will (W4A8
-    layers' included, ``nemo_fp4qat.qat.w4a8_scaling``). Returns the summary per layer.
+    layers' included, ``nemo_fp4qat.qat.w4a8_scaling``). ``channel_weights``: layer -> per-input-channel
+    weight of the error (:func:`input_second_moments`). Returns the summary per layer.
     """
     out: dict[str, BlockClip] = {}
     for name, mod in model.named_modules():
@@ -130,6 +151,50 @@ def clip_nvfp4_weights(
         if not isinstance(amax, torch.Tensor):
             continue
         block = int((getattr(wq, "block_sizes", None) or {}).get(-1, 16))
-        clipped, out[name] = search_nvfp4_block_clip(weight.data, amax, block, min_ratio)
+        cw = (channel_weights or {}).get(name)
+        clipped, out[name] = search_nvfp4_block_clip(weight.data, amax, block, min_ratio, cw)
         weight.data.copy_(clipped)
     return out
+
+
+@torch.no_grad()
+def input_second_moments(
+    model: nn.Module, batches: list, forward_fn: Callable[[nn.Module, Any], Any], modules: set[str] | None = None
+) -> dict[str, torch.Tensor]:
+    """Mean square of each NVFP4-weight layer's input per channel, over ``batches`` (float64).
+
+    Measured on the model as it stands (quantizers as configured), by forward pre-hooks.
+    """
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+    hooks = []
+    for name, mod in model.named_modules():
+        if (modules is None or name in modules) and _is_nvfp4(getattr(mod, "weight_quantizer", None)):
+
+            def hook(_m: nn.Module, args: tuple, _name: str = name) -> None:
+                x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+                sums[_name] = sums.get(_name, 0) + x.square().sum(0)
+                counts[_name] = counts.get(_name, 0) + x.shape[0]
+
+            hooks.append(mod.register_forward_pre_hook(hook))
+    device = _device_of(model)
+    try:
+        for b in batches:
+            forward_fn(model, _map_tensors(b, lambda t: t.to(device)))
+    finally:
+        for h in hooks:
+            h.remove()
+    # Data-parallel ranks calibrate on different samples but hold the same weights: they must clip alike (or
+    # their replicas drift apart), so the sums and counts are all-reduced over the ranks holding the same shard.
+    import torch.distributed as dist
+
+    names = sorted(sums)
+    if names and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        flat = torch.cat([torch.cat([sums[n], sums[n].new_tensor([float(counts[n])])]) for n in names])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=_data_parallel_group())
+        offset = 0
+        for n in names:
+            k = sums[n].numel()
+            sums[n], counts[n] = flat[offset : offset + k], int(flat[offset + k])
+            offset += k + 1
+    return {n: (sums[n] / counts[n]).float() for n in sums}

@@ -43,8 +43,9 @@ class CalibrationConfig:
             A plain-model transform: exports need nothing extra.
         block_scale_search: after each calibration, give every NVFP4 weight block the E4M3 scale of least
             quantization error (``True``, or the lowest scale to try as a fraction of the max rule's, in
-            (0, 1); ``True`` is 0.5), applied by clipping the weights (``nemo_fp4qat.qat.block_scale_search``):
-            exports and runtimes derive the same scales with nothing extra.
+            (0, 1); ``True`` is 0.75), weighting each weight's error by its input channel's mean square on the
+            calibration batches (the layer output's error), applied by clipping the weights
+            (``nemo_fp4qat.qat.block_scale_search``): exports and runtimes derive the same scales with nothing extra.
     """
 
     num_samples: int = 128
@@ -194,6 +195,15 @@ def _same_layers_group() -> Any:
     if ps is not None and ps.model_parallel_is_initialized() and ps.get_pipeline_model_parallel_world_size() > 1:
         return ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
     return None  # the default (world) group
+
+
+def _data_parallel_group() -> Any:
+    """The ranks that hold the same shard of the same layers: megatron's data-parallel group (with context
+    parallelism) when its parallel state is set up, else every rank (DDP replicas)."""
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is not None and ps.model_parallel_is_initialized():
+        return ps.get_data_parallel_group(with_context_parallel=True)
+    return None
 
 
 def sync_amax_across_ranks(model: nn.Module) -> int:

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from ..numerics.formats import QuantFormat, get_format
-from .block_scale_search import BlockClip, clip_nvfp4_weights
+from .block_scale_search import DEFAULT_MIN_RATIO, BlockClip, clip_nvfp4_weights, input_second_moments
 from .calibration import CalibrationConfig, default_forward, run_calibration, sync_amax_across_ranks
 from .config import QATConfig
 from .fused_siblings import find_fused_siblings, share_fused_amax
@@ -193,8 +193,12 @@ class QATController:
         bss = self.calibration.block_scale_search
         if bss is False or (modules is not None and not modules):
             return
-        ratio = 0.5 if bss is True else float(bss)
-        found = clip_nvfp4_weights(model, modules, min_ratio=ratio)
+        ratio = DEFAULT_MIN_RATIO if bss is True else float(bss)
+        # the error that matters is the layer output's: weight each input channel by its mean square
+        moments = (
+            input_second_moments(model, self.calib_batches, self.forward_fn, modules) if self.calib_batches else None
+        )
+        found = clip_nvfp4_weights(model, modules, min_ratio=ratio, channel_weights=moments)
         self.block_clips.update(found)
         if found:
             clipped = sum(c.clipped for c in found.values())

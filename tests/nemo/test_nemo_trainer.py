@@ -54,6 +54,8 @@ def test_nemo_qat_switches_formats_reports_an_inf_and_ends_with_a_validated_trtl
     assert [s["block"] for s in res["seen"]][2:] == [16, 16, 16]
     assert [(e["step"], e["group"], e["to"]) for e in res["history"]] == [(2, "other", "nvfp4")]
     assert all(math.isfinite(x) for x in res["losses"].values())
+    # the NVFP4 weights were clipped to their searched block scales at the switch (calibration.block_scale_search)
+    assert len(res["block_clips"]) == 8  # every decoder linear (policy fp_embeddings), as exported below
 
     assert res["final_num_bits"] == [2, 1]
     assert nemo_is_qnemo_checkpoint()(str(out))
@@ -82,6 +84,9 @@ def test_two_process_run_keeps_stage_and_amax_identical_across_ranks(tmp_path, t
     assert any(".weight_quantizer" in n for n in r0["amax"]) and any(".input_quantizer" in n for n in r0["amax"])
     assert {n: v for n, v in r0["amax"].items() if len(v) == 1} == {n: v for n, v in r1["amax"].items() if len(v) == 1}
     assert r0["losses"] == r1["losses"] and all(math.isfinite(x) for x in r0["losses"].values())
+    assert r0["block_clips"] == r1["block_clips"] and r0["block_clips"]
+    if tp == 1:  # replicas calibrated on different samples clipped alike (block scale search), so stayed equal
+        assert r0["final_fc1"] == r1["final_fc1"]
 
 
 def test_qad_fine_tune_from_a_base_checkpoint_restores_student_and_teacher_and_distils(tmp_path):

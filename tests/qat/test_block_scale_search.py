@@ -32,10 +32,14 @@ def _weight(rows: int, blocks: int, seed: int) -> torch.Tensor:
     return heavy * 0.02  # outliers in most blocks, as trained weights have
 
 
-def _reference_block_errors(w: torch.Tensor, min_ratio: float) -> tuple[np.ndarray, np.ndarray]:
-    """float64: each block's error under the max rule and the least error over E4M3 scales in
-    [min_ratio * s_max, s_max] (the block holding the tensor's max: its max-rule error only)."""
+def _reference_block_errors(
+    w: torch.Tensor, min_ratio: float, cw: torch.Tensor | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """float64: each block's error (weighted per input channel by ``cw``) under the max rule and the least error
+    over E4M3 scales in [min_ratio * s_max, s_max] (the block holding the tensor's max: its max-rule error only)."""
     x = w.double().numpy().reshape(w.shape[0], -1, 16)
+    c = np.ones(w.shape[1]) if cw is None else cw.double().numpy()
+    c = c.reshape(-1, 16)
     gs = np.float64(np.float32(np.float32(np.abs(x).max()) / np.float32(6 * 448)))
     max_rule, best = np.zeros(x.shape[:2]), np.zeros(x.shape[:2])
     top = np.abs(x).max()
@@ -44,8 +48,8 @@ def _reference_block_errors(w: torch.Tensor, min_ratio: float) -> tuple[np.ndarr
             blk = np.abs(x[r, b])
             s_max = round_ref(np.array([blk.max() / 6 / gs]), 4, 3)[0]
 
-            def err(s: float, blk: np.ndarray = blk) -> float:
-                return float(((round_ref(blk / (s * gs), 2, 1) * s * gs - blk) ** 2).sum())
+            def err(s: float, blk: np.ndarray = blk, cb: np.ndarray = c[b]) -> float:
+                return float((cb * (round_ref(blk / (s * gs), 2, 1) * s * gs - blk) ** 2).sum())
 
             max_rule[r, b] = err(s_max)
             cands = [s for s in E4M3 if min_ratio * s_max <= s <= s_max and s * gs >= 1e-5]
@@ -53,32 +57,39 @@ def _reference_block_errors(w: torch.Tensor, min_ratio: float) -> tuple[np.ndarr
     return max_rule, best
 
 
-def _export_block_errors(clipped: torch.Tensor, w: torch.Tensor) -> np.ndarray:
-    """Each block's error of what modelopt's exporter writes for ``clipped``, against the original ``w``."""
+def _export_dequantized(clipped: torch.Tensor) -> torch.Tensor:
     from modelopt.torch.quantization.qtensor import NVFP4QTensor
 
     with modelopt_export_on_cpu():
         q, s, s2 = NVFP4QTensor.quantize(clipped, 16)
-    deq = q.dequantize(dtype=torch.float32, scale=s, double_scale=s2, block_sizes={-1: 16})
-    return (deq.double() - w.double()).square().reshape(w.shape[0], -1, 16).sum(-1).numpy()
+    return q.dequantize(dtype=torch.float32, scale=s, double_scale=s2, block_sizes={-1: 16})
 
 
-@pytest.mark.parametrize(("seed", "min_ratio"), [(0, 0.5), (1, 0.5), (2, 0.75)])
-def test_searched_scales_are_the_least_error_e4m3_codes_and_the_exporter_derives_them(seed, min_ratio):
+def _export_block_errors(clipped: torch.Tensor, w: torch.Tensor, cw: torch.Tensor | None) -> np.ndarray:
+    """Each block's (weighted) error of what modelopt's exporter writes for ``clipped``, against the original."""
+    deq = _export_dequantized(clipped)
+    c = torch.ones(w.shape[1], dtype=torch.float64) if cw is None else cw.double()
+    return ((deq.double() - w.double()).square() * c).reshape(w.shape[0], -1, 16).sum(-1).numpy()
+
+
+@pytest.mark.parametrize(("seed", "min_ratio", "weighted"), [(0, 0.5, False), (1, 0.75, False), (2, 0.75, True),
+                                                            (3, 0.5, True)])  # fmt: skip
+def test_searched_scales_are_the_least_error_e4m3_codes_and_the_exporter_derives_them(seed, min_ratio, weighted):
     w = _weight(6, 5, seed)
-    clipped, summary = search_nvfp4_block_clip(w, w.abs().amax(), 16, min_ratio)
-    max_rule, best = _reference_block_errors(w, min_ratio)
-    exported = _export_block_errors(clipped, w)
+    # per-input-channel weights of the error (a layer input's mean square), spread over two decades
+    cw = 10 ** (2 * torch.rand(w.shape[1], generator=torch.Generator().manual_seed(seed + 50))) if weighted else None
+    clipped, summary = search_nvfp4_block_clip(w, w.abs().amax(), 16, min_ratio, cw)
+    max_rule, best = _reference_block_errors(w, min_ratio, cw)
+    exported = _export_block_errors(clipped, w, cw)
     np.testing.assert_allclose(exported, best, rtol=1e-5, atol=1e-12)
     assert (best < max_rule * (1 - 1e-9)).sum() == summary.clipped > 0  # blocks whose scale the search lowered
     assert summary.blocks == 30
-    np.testing.assert_allclose(summary.mse_max_rule, max_rule.sum() / w.numel(), rtol=1e-5)
-    np.testing.assert_allclose(summary.mse_searched, best.sum() / w.numel(), rtol=1e-5)
+    np.testing.assert_allclose(summary.error_max_rule, max_rule.sum() / w.numel(), rtol=1e-5)
+    np.testing.assert_allclose(summary.error_searched, best.sum() / w.numel(), rtol=1e-5)
     # the tensor max is kept (a per-tensor amax recomputed from the weights is the one searched with), and the
     # training fake quant computes the same as the exporter
     assert clipped.abs().max() == w.abs().max()
-    torch.testing.assert_close(fake_quant_nvfp4(clipped, w.abs().amax()).double().sub(w.double()).square()
-                               .reshape(6, -1, 16).sum(-1).numpy(), exported, rtol=1e-6, atol=0)  # fmt: skip
+    torch.testing.assert_close(fake_quant_nvfp4(clipped, w.abs().amax()), _export_dequantized(clipped))
 
 
 def test_bf16_weights_clip_to_the_same_codes():
@@ -92,27 +103,36 @@ def test_bf16_weights_clip_to_the_same_codes():
 
 def _batches() -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return [torch.randint(0, VOCAB, (2, 16), generator=g) for _ in range(3)]
+    return [torch.randint(0, VOCAB, (2, 16), generator=g) for _ in range(4)]
 
 
-def _calibrated(search, schedule="direct") -> tuple[QATController, torch.nn.Module]:
+def _calibrated(search, schedule="direct", batches=None) -> tuple[QATController, torch.nn.Module]:
     model = tiny_llama(seed=2)
     ctl = QATController(policy="default", schedule=schedule, forward_fn=lambda m, b: m(b),
                         calibration={"num_samples": 6, "block_scale_search": search})  # fmt: skip
     ctl.prepare(model)
-    ctl.calibrate(model, _batches())
+    ctl.calibrate(model, _batches() if batches is None else batches)
     return ctl, model
 
 
-def _weight_error(model: torch.nn.Module, plain: torch.nn.Module, name: str) -> float:
-    mod, ref = dict(model.named_modules())[name], dict(plain.named_modules())[name]
+def _input_mean_squares(model: torch.nn.Module, names: set[str], batches) -> dict[str, torch.Tensor]:
+    """Each layer's input mean square per channel over ``batches``, float64, by plain forward pre-hooks."""
+    seen: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    mods = dict(model.named_modules())
+    hooks = [mods[n].register_forward_pre_hook(lambda _m, a, n=n: seen[n].append(a[0].detach().double()))
+             for n in names]  # fmt: skip
     with torch.no_grad():
-        return float((mod.weight_quantizer(mod.weight) - ref.weight).double().square().sum())
+        for b in batches:
+            model(b)
+    for h in hooks:
+        h.remove()
+    return {n: torch.cat([x.reshape(-1, x.shape[-1]) for x in xs]).square().mean(0) for n, xs in seen.items()}
 
 
 def test_calibration_clips_nvfp4_weights_once_and_nothing_else():
-    """The default policy: NVFP4 MLP weights are searched (their error against the unclipped weights
-    drops); FP8 attention, embeddings and norms are untouched; a second calibrate (a resume) does not clip
+    """The default policy: each NVFP4 MLP weight is clipped to the blocks' least output-weighted error (each
+    input channel weighted by its mean square on the calibration batches, measured here on the model without
+    the search); FP8 attention, embeddings and norms are untouched; a second calibrate (a resume) does not clip
     the clipped weights again."""
     ctl, model = _calibrated(True)
     _, plain = _calibrated(False)
@@ -120,8 +140,14 @@ def test_calibration_clips_nvfp4_weights_once_and_nothing_else():
     assert set(ctl.block_clips) == mlp and all(c.clipped > 0 for c in ctl.block_clips.values())
     changed = {k for k, v in model.state_dict().items() if not torch.equal(v, plain.state_dict()[k])}
     assert changed == {f"{n}.weight" for n in mlp}
+    moments = _input_mean_squares(plain, mlp, _batches())
+    mods, plain_mods = dict(model.named_modules()), dict(plain.named_modules())
     for n in mlp:
-        assert _weight_error(model, plain, n) < _weight_error(plain, plain, n)
+        w, amax = plain_mods[n].weight.detach(), plain_mods[n].weight_quantizer._amax
+        expected, _ = search_nvfp4_block_clip(w, amax, 16, 0.75, moments[n].float())
+        assert torch.equal(mods[n].weight.detach(), expected), n
+        unweighted, _ = search_nvfp4_block_clip(w, amax, 16, 0.75)
+        assert not torch.equal(expected, unweighted)  # the weighting changed the choice
     snapshot = copy.deepcopy(model.state_dict())
     ctl.calibrate(model)
     assert all(torch.equal(v, snapshot[k]) for k, v in model.state_dict().items())
@@ -148,3 +174,44 @@ def test_a_bad_setting_names_the_fix(bad):
     with pytest.raises(ValueError, match=r"block_scale_search must be true/false or the lowest block scale.*\(0, 1\)"):
         CalibrationConfig(num_samples=128, block_scale_search=bad)
     assert CalibrationConfig(num_samples=128, block_scale_search=0.6).block_scale_search == 0.6
+
+
+def _dp_worker(rank: int, init: str, out: dict) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        model = tiny_llama(seed=2)  # the same replica on both ranks, calibrated on different samples
+        ctl = QATController(policy="default", schedule="direct", forward_fn=lambda m, b: m(b),
+                            calibration={"num_samples": 6, "block_scale_search": True})  # fmt: skip
+        ctl.prepare(model)
+        ctl.calibrate(model, _batches()[rank::2])
+        out[rank] = {k: v.clone() for k, v in model.state_dict().items() if k.endswith("proj.weight")}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_data_parallel_ranks_clip_alike(tmp_path):
+    """Two gloo ranks calibrating on different batches must clip their replicas identically (else the replicas
+    drift apart): the input moments are summed over the ranks, as one process calibrating on both ranks'
+    batches measures them."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        out = manager.dict()
+        ctx = mp.spawn(_dp_worker, args=(f"file://{tmp_path / 'store'}", out), nprocs=2, join=False)
+        deadline = time.time() + 300
+        while not ctx.join(timeout=5):
+            if time.time() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                pytest.fail("the two ranks hung")
+        r0, r1 = dict(out[0]), dict(out[1])
+    _, alone = _calibrated(True)  # one process, every batch
+    _, rank0_alone = _calibrated(True, batches=_batches()[0::2])
+    for k, v in r0.items():
+        assert torch.equal(v, r1[k]), k
+        assert torch.equal(v, alone.state_dict()[k]), k
+    assert any(not torch.equal(v, rank0_alone.state_dict()[k]) for k, v in r0.items())  # the sums mattered
