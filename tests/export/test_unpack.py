@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_fp4qat.export.unpack import dequantize_linear, unpack_e2m1_codes
+from nemo_fp4qat.export.unpack import dequantize_linear, e8m0_to_float, unpack_e2m1_codes
 
 from reference_numerics import minifloat_values
 
@@ -143,6 +143,8 @@ def test_malformed_layers_are_refused_by_name():
     fp4 = _packed((2, 8), 9)
     with pytest.raises(TypeError, match=r"^packed FP4 weights must be uint8, got torch.int8$"):
         unpack_e2m1_codes(fp4.view(torch.int8))
+    with pytest.raises(TypeError, match=r"^E8M0 scales must be uint8, got torch.float32$"):
+        e8m0_to_float(torch.ones(2, 1))
     with pytest.raises(TypeError, match=r"^NVFP4 weight_scale must be float8_e4m3fn, got torch.float32$"):
         dequantize_linear({"weight": fp4, "weight_scale": torch.ones(2, 1), "weight_scale_2": torch.ones(())}, "NVFP4")
     with pytest.raises(ValueError, match=r"^scale has 3 blocks per row, which does not divide 16 elements$"):
