@@ -169,7 +169,15 @@ def run_mutmut(name: str, max_children: int, only: list[str] | None = None) -> d
                                       not ln.startswith(("+++", "---")))  # fmt: skip
         mutants.append(entry)
     shutil.rmtree(work, ignore_errors=True)
-    return {"module": spec["module"], "tests": spec["tests"], "wall_s": round(time.time() - t0), "mutants": mutants}
+    return {"module": spec["module"], "tests": spec["tests"], "wall_s": round(time.time() - t0), "mutants": mutants,
+            "source_sha256": _source_hash(spec["module"])}  # fmt: skip
+
+
+def _source_hash(module: str) -> str:
+    """mutmut numbers a module's mutants in source order: after an edit the same name is another mutation."""
+    import hashlib
+
+    return hashlib.sha256((ROOT / module).read_bytes()).hexdigest()
 
 
 def _score(r: dict) -> tuple[int, int]:
@@ -216,6 +224,10 @@ def recheck_survivors(names: list[str], max_children: int) -> int:
     results = json.loads((RESULTS / "mutation.json").read_text())
     for name in names:
         old = results[name]
+        if old.get("source_sha256") not in (None, _source_hash(old["module"])):
+            raise SystemExit(f"{old['module']} changed since its full run: its mutant names now denote other "
+                             "mutations, so its survivors cannot be re-checked by name; run a full run "
+                             f"(--only {name})")  # fmt: skip
         keys = [m["mutant"] for m in old["mutants"] if m["status"] in ("survived", "no tests")]
         print(f"re-checking {len(keys)} survivors of {name} ...", flush=True)
         new = {m["mutant"]: m for m in run_mutmut(name, max_children, only=keys)["mutants"]}
