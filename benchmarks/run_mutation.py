@@ -218,10 +218,9 @@ def write_results(results: dict[str, dict]) -> None:
     (RESULTS / "mutation.md").write_text("\n".join(lines) + "\n")
 
 
-def recheck_survivors(names: list[str], max_children: int) -> int:
-    """The survivors of a full run, re-run against today's tests: new tests written for them show here as
-    kills (a full run of a large module takes most of an hour; its survivors, minutes)."""
-    results = json.loads((RESULTS / "mutation.json").read_text())
+def recheck_survivors(results: dict[str, dict], names: list[str], max_children: int) -> int:
+    """The survivors of a full run (``results``: mutation.json), re-run against today's tests: new tests written
+    for them show here as kills (a full run of a large module takes most of an hour; its survivors, minutes)."""
     for name in names:
         old = results[name]
         if old.get("source_sha256") not in (None, _source_hash(old["module"])):
@@ -258,7 +257,7 @@ def main() -> int:
             what = f"{missing} have no full run in mutation.json" if missing else "no target was given"
             p.error(f"--recheck-survivors needs --only NAME... ({what}); targets with a full run: "
                     f"{', '.join(n for n in TARGETS if n in measured)}")  # fmt: skip
-        return recheck_survivors(names, args.max_children)
+        return recheck_survivors(measured, names, args.max_children)
     names = args.only or os.environ.get("MUTATE_TARGETS", "").split() or QUICK
     if names == ["all"]:
         names = ["c_kernel", *TARGETS]

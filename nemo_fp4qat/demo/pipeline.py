@@ -207,20 +207,21 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float) -> int:
                    "block_scale_search": cfg.block_scale_search}  # fmt: skip
     levers = _lever_names(cfg)
 
-    def ptq(calibration: dict[str, Any], name: str) -> dict[str, Any]:
+    def ptq(calibration: dict[str, Any], name: str) -> tuple[dict[str, Any], QATController]:
         model = copy.deepcopy(ft)
         ctl = QATController(policy=cfg.policy, schedule="direct", calibration=calibration,
                             forward_fn=lambda m, b: m(b))  # fmt: skip
         ctl.prepare(model)
         ctl.calibrate(model, calib)
-        (out / "policy_table.txt").write_text(ctl.table.format_table() + "\n")  # type: ignore[union-attr]
-        return ev(model, name)
+        return ev(model, name), ctl
 
-    # the recovery's reference: plain max calibration, no lever
-    variants["ptq"] = p = ptq({"num_samples": cfg.calib_samples}, "PTQ (max calibration)")
+    # the recovery's reference: plain max calibration, no lever (the levers do not change the policy's table)
+    variants["ptq"], ctl = ptq({"num_samples": cfg.calib_samples}, "PTQ (max calibration)")
+    (out / "policy_table.txt").write_text(ctl.table.format_table() + "\n")  # type: ignore[union-attr]
+    p = variants["ptq"]
     result = f"perplexity {p['ppl']:.3f} at {p['bits_per_weight']:.2f} bits/weight"
     if levers:  # what the QAT stage starts from
-        variants["ptq_recipe"] = ptq(calibration, "PTQ with the recipe's levers")
+        variants["ptq_recipe"], _ = ptq(calibration, "PTQ with the recipe's levers")
         result += f"; with {' + '.join(levers)}: {variants['ptq_recipe']['ppl']:.3f}"
     stage(3, f"PTQ of the fine-tune (policy {cfg.policy!r})", result)
 

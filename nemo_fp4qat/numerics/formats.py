@@ -292,6 +292,14 @@ def format_of_quantizer(quantizer: Any) -> QuantFormat:
     raise ValueError(f"Weight quantizer {quantizer} matches no registered format; add it to formats.py.")
 
 
+def format_name_of(quantizer: Any) -> str | None:
+    """The registered format's name of ``quantizer``, or None for a configuration no format describes."""
+    try:
+        return format_of_quantizer(quantizer).name
+    except ValueError:
+        return None
+
+
 def list_formats() -> list[QuantFormat]:
     """All registered formats, in registry order."""
     return list(FORMATS.values())

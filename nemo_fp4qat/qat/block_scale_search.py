@@ -20,6 +20,7 @@ static fake quant is Triton-only, and 0.37 (NeMo 2.7.3's) has none of it; hence 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,8 +29,8 @@ import torch
 import torch.nn as nn
 
 from ..numerics.fake_quant import _blocked, _nan_free_block_amax, _nvfp4_global_scale, _unblocked, round_to_minifloat
-from ..numerics.formats import format_of_quantizer
-from .calibration import _data_parallel_group, _device_of, _map_tensors
+from ..numerics.formats import format_name_of
+from .calibration import _all_reduce_flat, _data_parallel_group, forward_batches
 
 __all__ = ["DEFAULT_MIN_RATIO", "BlockClip", "clip_nvfp4_weights", "input_second_moments", "search_nvfp4_block_clip"]
 
@@ -72,9 +73,9 @@ def search_nvfp4_block_clip(
     xb, n = _blocked(weight, block_size)
     xabs = torch.nan_to_num(xb.abs(), nan=0.0)
     block_max = _nan_free_block_amax(xabs)
-    none = BlockClip(blocks=block_max.numel(), clipped=0, error_max_rule=0.0, error_searched=0.0)
-    if not (gs > 0 and torch.isfinite(torch.tensor(gs))):
-        return weight.clone(), none
+    blocks = block_max.numel()
+    if not (gs > 0 and math.isfinite(gs)):
+        return weight.clone(), BlockClip(blocks=blocks, clipped=0, error_max_rule=0.0, error_searched=0.0)
     gs_t = torch.tensor(gs, dtype=torch.float32)
     cw = None
     if channel_weight is not None:
@@ -108,7 +109,6 @@ def search_nvfp4_block_clip(
     lowered = (best_scale < scale0) & ~keep
     clip_at = torch.where(lowered, _E2M1_MAX * best_scale, torch.full_like(best_scale, float("inf")))
     clipped = torch.where(xb.abs() > clip_at, torch.sign(xb) * clip_at, xb)
-    blocks = block_max.numel()
     summary = BlockClip(
         blocks=blocks,
         clipped=int(lowered.sum()),
@@ -119,12 +119,8 @@ def search_nvfp4_block_clip(
 
 
 def _is_nvfp4(quantizer: nn.Module | None) -> bool:
-    if quantizer is None or not getattr(quantizer, "is_enabled", False):
-        return False
-    try:
-        return format_of_quantizer(quantizer).name == "nvfp4"
-    except ValueError:  # a configuration no registered format describes
-        return False
+    enabled = quantizer is not None and bool(getattr(quantizer, "is_enabled", False))
+    return enabled and format_name_of(quantizer) == "nvfp4"
 
 
 @torch.no_grad()
@@ -177,10 +173,8 @@ def input_second_moments(
                 counts[_name] = counts.get(_name, 0) + x.shape[0]
 
             hooks.append(mod.register_forward_pre_hook(hook))
-    device = _device_of(model)
     try:
-        for b in batches:
-            forward_fn(model, _map_tensors(b, lambda t: t.to(device)))
+        forward_batches(model, batches, forward_fn)
     finally:
         for h in hooks:
             h.remove()
@@ -190,11 +184,8 @@ def input_second_moments(
 
     names = sorted(sums)
     if names and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        flat = torch.cat([torch.cat([sums[n], sums[n].new_tensor([float(counts[n])])]) for n in names])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=_data_parallel_group())
-        offset = 0
-        for n in names:
-            k = sums[n].numel()
-            sums[n], counts[n] = flat[offset : offset + k], int(flat[offset + k])
-            offset += k + 1
+        parts = [sums[n] for n in names] + [sums[names[0]].new_tensor([float(counts[n]) for n in names])]
+        *reduced, n_rows = _all_reduce_flat(parts, dist.ReduceOp.SUM, _data_parallel_group())
+        for n, total, rows in zip(names, reduced, n_rows.tolist(), strict=True):
+            sums[n], counts[n] = total, int(rows)
     return {n: (sums[n] / counts[n]).float() for n in sums}

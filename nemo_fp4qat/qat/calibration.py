@@ -171,14 +171,26 @@ def run_calibration(
 
     if algorithm is None:
         return
+    mtq.calibrate(model, algorithm=algorithm, forward_loop=lambda m: forward_batches(m, batches, forward_fn))
+
+
+def forward_batches(model: nn.Module, batches: Iterable[Any], forward_fn: Callable[[nn.Module, Any], Any]) -> None:
+    """``forward_fn`` over ``batches``, each moved to the model's device, without gradients: every
+    calibration-time pass (modelopt's calibration, the statistics of smoothing and of the block scale search)."""
     device = _device_of(model)
+    with torch.no_grad():
+        for b in batches:
+            forward_fn(model, _map_tensors(b, lambda t: t.to(device)))
 
-    def forward_loop(m: nn.Module) -> None:
-        with torch.no_grad():
-            for b in batches:
-                forward_fn(m, _map_tensors(b, lambda t: t.to(device)))
 
-    mtq.calibrate(model, algorithm=algorithm, forward_loop=forward_loop)
+def _all_reduce_flat(tensors: list[torch.Tensor], op: Any, group: Any) -> list[torch.Tensor]:
+    """One collective for many tensors (a per-tensor collective would be one round trip each): concatenated,
+    reduced, split back into flat pieces in order."""
+    import torch.distributed as dist
+
+    flat = torch.cat([t.flatten() for t in tensors])
+    dist.all_reduce(flat, op=op, group=group)
+    return list(torch.split(flat, [t.numel() for t in tensors]))
 
 
 def _tp_size(module: nn.Module) -> int:
@@ -249,10 +261,7 @@ def sync_amax_across_ranks(model: nn.Module) -> int:
             )
     if not entries:
         return 0
-    flat = torch.cat([a.detach().float().flatten() for _, a in entries])
-    dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)  # one collective for the whole model
-    offset = 0
-    for _, a in entries:
-        a.data.copy_(flat[offset : offset + a.numel()].view_as(a))
-        offset += a.numel()
+    reduced = _all_reduce_flat([a.detach().float() for _, a in entries], dist.ReduceOp.MAX, group)
+    for (_, a), r in zip(entries, reduced, strict=True):
+        a.data.copy_(r.view_as(a))
     return len(entries)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .calibration import _device_of, _map_tensors
+from .calibration import forward_batches
 from .policy import is_quantizer
 
 __all__ = ["SITES", "SmoothingConfig", "SmoothingSite", "find_smoothing_sites", "smooth_model"]
@@ -191,9 +191,7 @@ def _input_absmax(
             q.disable()
         for i, site in enumerate(sites):
             hooks.append(modules[site.consumers[0]].register_forward_pre_hook(make_hook(i)))
-        device = _device_of(model)
-        for batch in batches:
-            forward_fn(model, _map_tensors(batch, lambda t: t.to(device)))
+        forward_batches(model, batches, forward_fn)
     finally:
         for h in hooks:
             h.remove()

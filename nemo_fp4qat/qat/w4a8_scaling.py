@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.nn as nn
 
-from ..numerics.formats import format_of_quantizer
+from ..numerics.formats import format_name_of
 
 __all__ = [
     "W4A8_AMAX_FACTOR",
@@ -41,10 +41,7 @@ def is_w4a8(module: nn.Module) -> bool:
     wq, iq = getattr(module, "weight_quantizer", None), getattr(module, "input_quantizer", None)
     if wq is None or iq is None or not getattr(wq, "is_enabled", False) or not getattr(iq, "is_enabled", False):
         return False
-    try:
-        return format_of_quantizer(wq).name == "nvfp4" and format_of_quantizer(iq).name == "fp8"
-    except ValueError:  # a quantizer configuration no registered format describes: not W4A8
-        return False
+    return format_name_of(wq) == "nvfp4" and format_name_of(iq) == "fp8"
 
 
 def calibrated_w4a8_layers(model: nn.Module, modules: Iterable[str] | None = None) -> Iterator[tuple[str, nn.Module]]:
