@@ -75,6 +75,7 @@ bench-accuracy: $(BENCH_SITE)/.stamp
 	$(CORE)/bin/python benchmarks/bench_pareto.py
 	$(CORE)/bin/python benchmarks/bench_levers.py
 	$(CORE)/bin/python benchmarks/bench_recipe_seeds.py
+	$(CORE)/bin/python benchmarks/bench_mc.py
 	$(CORE)/bin/python benchmarks/run_all.py --only-collect
 
 # Mutation testing (#18): hand-written mutations of the C kernel source (default, about 2 minutes), and mutmut

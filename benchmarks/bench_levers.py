@@ -60,6 +60,12 @@ QAD_LEVERS = [
 def qad_row(ft, data, out: Path, policy: str, smoothing: dict | None, search: bool) -> dict:
     """The demo's QAD stage on a copy of the fine-tune ``ft`` with one lever, exported (unified HF, validated on
     write) and measured as served."""
+    return qad_served(ft, data, out, policy, smoothing, search)[0]
+
+
+def qad_served(ft, data, out: Path, policy: str, smoothing: dict | None, search: bool) -> tuple[dict, object]:
+    """:func:`qad_row`'s row and the model it measured: the served checkpoint rebuilt by the serving unpacker
+    (the trained model if the export was refused)."""
     from nemo_fp4qat.export import ExportConfig, ExportValidationError, export_checkpoint
     from nemo_fp4qat.export.deployed_model import load_deployed_model
 
@@ -74,10 +80,11 @@ def qad_row(ft, data, out: Path, policy: str, smoothing: dict | None, search: bo
     try:
         hf = export_checkpoint(m, out / "export", ExportConfig(kind="hf", overwrite=True), tokenizer=data.tok)
     except ExportValidationError as e:  # a finding to report, not a reason to lose the other rows
-        served, exported = in_memory, str(e).splitlines()[-1]
+        model, exported = m, str(e).splitlines()[-1]
     else:
-        served, exported = data.ppl(load_deployed_model(hf).model), "validated"
-    return {"qad": served, "qad_in_memory": in_memory, "qad_s": time.time() - t0, "export": exported}
+        model, exported = load_deployed_model(hf).model, "validated"
+    row = {"qad": data.ppl(model), "qad_in_memory": in_memory, "qad_s": time.time() - t0, "export": exported}
+    return row, model
 
 
 def main() -> None:

@@ -49,7 +49,8 @@ TARGETS: dict[str, dict] = {
     "unpack": {"module": "nemo_fp4qat/export/unpack.py",
                "tests": ["tests/export/test_unpack.py", "tests/export/test_export.py"]},
     "layout": {"module": "nemo_fp4qat/export/layout.py", "tests": ["tests/export/test_export.py"]},
-    "weight_check": {"module": "nemo_fp4qat/export/weight_check.py", "tests": ["tests/export/test_export.py"]},
+    "weight_check": {"module": "nemo_fp4qat/export/weight_check.py",
+                     "tests": ["tests/export/test_weight_check.py", "tests/export/test_export.py"]},
     "validate": {"module": "nemo_fp4qat/export/validate.py", "tests": ["tests/export/test_export.py"]},
     "formats": {"module": "nemo_fp4qat/numerics/formats.py",
                 "tests": ["tests/numerics/test_formats.py", "tests/qat/test_policy.py",
@@ -62,6 +63,9 @@ TARGETS: dict[str, dict] = {
                              "tests/export/test_export.py::test_fp8_kv_cache_is_exported",
                              "tests/lightning/test_monitor.py::test_rollback_action_moves_the_group_back_one_stage"]},
     "serve_app": {"module": "nemo_fp4qat/serve/app.py", "tests": ["tests/serve/test_serve.py"]},
+    "block_scale_search": {"module": "nemo_fp4qat/qat/block_scale_search.py",
+                           "tests": ["tests/qat/test_block_scale_search.py"]},
+    "paired": {"module": "nemo_fp4qat/eval/paired.py", "tests": ["tests/eval/test_paired.py"]},
 }  # fmt: skip
 # the quick default (about 10 minutes on 2 cores): the C source and the format registry; MUTATE_TARGETS=all
 # (or --only) runs every target
@@ -231,6 +235,7 @@ def recheck_survivors(results: dict[str, dict], names: list[str], max_children: 
         print(f"re-checking {len(keys)} survivors of {name} ...", flush=True)
         new = {m["mutant"]: m for m in run_mutmut(name, max_children, only=keys)["mutants"]}
         old["mutants"] = [new.get(m.get("mutant"), m) for m in old["mutants"]]
+        old["tests"] = TARGETS[name]["tests"]  # the re-check ran today's test list
         old.setdefault("full_run_survivors", len(keys))  # the first re-check sees the full run's survivors
         write_results(results)
         killed, total = _score(old)

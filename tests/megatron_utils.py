@@ -26,7 +26,9 @@ def init_single_process_parallel() -> None:
         parallel_state.initialize_model_parallel(1, 1)
 
 
-def tiny_gpt(vocab: int = 96, hidden: int = 64, layers: int = 2, seed: int = 0):
+def tiny_gpt(vocab: int = 96, hidden: int = 64, layers: int = 2, seed: int = 0, llama: bool = False):
+    """A tiny megatron-core GPTModel; ``llama``: NeMo's Llama layout (gated SiLU MLP, RMSNorm, 2 query groups
+    for 4 heads), whose qkv rows and fc1 halves the exporters reorder."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -43,7 +45,9 @@ def tiny_gpt(vocab: int = 96, hidden: int = 64, layers: int = 2, seed: int = 0):
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
-    )
+        **(dict(gated_linear_unit=True, activation_func=torch.nn.functional.silu, normalization="RMSNorm",
+                num_query_groups=2, add_bias_linear=False) if llama else {}),
+    )  # fmt: skip
     return GPTModel(
         config=cfg,
         transformer_layer_spec=get_gpt_layer_local_spec(),

@@ -7,6 +7,7 @@ log-likelihood of its tokens given the input.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import resource
@@ -28,6 +29,7 @@ __all__ = [
     "evaluate",
     "load_mc_tasks",
     "multiple_choice_accuracy",
+    "multiple_choice_outcomes",
     "perplexity",
     "quantized_weight_memory",
 ]
@@ -96,12 +98,37 @@ def load_mc_tasks(path: str | Path) -> list[dict[str, Any]]:
 
 @torch.no_grad()
 def choice_log_likelihoods(model: nn.Module, tokenizer: Any, task: dict[str, Any]) -> list[tuple[float, int]]:
-    """(total log-likelihood, token count) of each choice's tokens given the task's input."""
+    """(total log-likelihood, token count) of each choice's tokens given the task's input.
+
+    A Hugging Face causal LM runs the input once and the choices as one batch on its key/value cache
+    (the input is most of a task's tokens, so far fewer tokens run than with the input repeated per
+    choice); other models score the choices as one right-padded batch of input + choice.
+    """
     device = next(model.parameters()).device
     ctx = tokenizer(task["input"], add_special_tokens=False)["input_ids"]
     conts = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in task["choices"]]
-    # all choices in one batch, right-padded: a causal model's scores of real tokens ignore the padding
-    ids = torch.zeros(len(conts), len(ctx) + max(len(c) for c in conts), dtype=torch.long, device=device)
+    if not ctx or not all(conts):
+        raise ValueError("a multiple-choice task needs a non-empty input and non-empty choices")
+    longest = max(len(c) for c in conts)
+    if _has_kv_cache(model):
+        keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+        first = model(torch.tensor([ctx], device=device), use_cache=True, **keep)  # only the last logits
+        cache = first.past_key_values
+        cache.batch_repeat_interleave(len(conts))
+        ids = torch.zeros(len(conts), longest, dtype=torch.long, device=device)
+        for i, c in enumerate(conts):
+            ids[i, : len(c)] = torch.tensor(c, device=device)
+        # right-padded: a causal model's scores of real tokens ignore the padding after them
+        mask = torch.ones(len(conts), len(ctx) + longest, dtype=torch.long, device=device)
+        rest = model(ids, past_key_values=cache, attention_mask=mask, use_cache=False).logits
+        # token j of a choice is predicted by the input's last position (j = 0) or by choice token j - 1
+        logits = torch.cat([first.logits[:, -1:].expand(len(conts), 1, -1), rest[:, :-1]], dim=1)
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        return [
+            (float(logp[i, torch.arange(len(c), device=device), ids[i, : len(c)]].sum()), len(c))
+            for i, c in enumerate(conts)
+        ]
+    ids = torch.zeros(len(conts), len(ctx) + longest, dtype=torch.long, device=device)
     for i, c in enumerate(conts):
         ids[i, : len(ctx) + len(c)] = torch.tensor(ctx + c, device=device)
     logp = torch.log_softmax(_logits(model, ids)[:, :-1].float(), dim=-1)
@@ -112,17 +139,42 @@ def choice_log_likelihoods(model: nn.Module, tokenizer: Any, task: dict[str, Any
     return out
 
 
+def _has_kv_cache(model: nn.Module) -> bool:
+    """A transformers causal LM whose cache can be repeated per choice (``DynamicCache``)."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.cache_utils import DynamicCache
+    except ImportError:
+        return False
+    return (
+        isinstance(model, PreTrainedModel)
+        and getattr(model.config, "is_encoder_decoder", False) is False
+        and hasattr(DynamicCache, "batch_repeat_interleave")
+    )
+
+
+def multiple_choice_outcomes(
+    model: nn.Module, tokenizer: Any, tasks: Iterable[dict[str, Any]]
+) -> list[tuple[bool, bool]]:
+    """Per task, whether the choice with the highest total log-likelihood given the input is the answer,
+    and whether the one with the highest per-token log-likelihood is: what a paired comparison of two
+    models on the same tasks needs (:func:`nemo_fp4qat.eval.paired.paired_difference`)."""
+    model.eval()
+    out = []
+    for t in tasks:
+        ll = choice_log_likelihoods(model, tokenizer, t)
+        best = max(range(len(ll)), key=lambda i: ll[i][0])
+        best_norm = max(range(len(ll)), key=lambda i: ll[i][0] / ll[i][1])
+        out.append((best == t["answer"], best_norm == t["answer"]))
+    return out
+
+
 def multiple_choice_accuracy(model: nn.Module, tokenizer: Any, tasks: Iterable[dict[str, Any]]) -> dict[str, float]:
     """Accuracy choosing, per task, the choice with the highest total log-likelihood given the input
     (``acc``) and with the highest per-token log-likelihood (``acc_norm``)."""
-    model.eval()
-    correct = correct_norm = n = 0
-    for t in tasks:
-        ll = choice_log_likelihoods(model, tokenizer, t)
-        correct += int(max(range(len(ll)), key=lambda i: ll[i][0]) == t["answer"])
-        correct_norm += int(max(range(len(ll)), key=lambda i: ll[i][0] / ll[i][1]) == t["answer"])
-        n += 1
-    return {"acc": correct / max(1, n), "acc_norm": correct_norm / max(1, n), "n": n}
+    res = multiple_choice_outcomes(model, tokenizer, tasks)
+    n = len(res)
+    return {"acc": sum(r[0] for r in res) / max(1, n), "acc_norm": sum(r[1] for r in res) / max(1, n), "n": n}
 
 
 def quantized_weight_memory(model: nn.Module, weight_formats: dict[str, str] | None = None) -> dict[str, float]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nemo_fp4qat.demo.model import load_corpus
-from nemo_fp4qat.eval.evaluation import _logits, choice_log_likelihoods
+from nemo_fp4qat.eval.evaluation import _has_kv_cache, _logits, choice_log_likelihoods
 from nemo_fp4qat.eval.tasks import next_sentence_tasks, split_sentences
 
 
@@ -50,11 +50,12 @@ class WordTok:
 
 
 def test_batched_choice_scores_equal_one_at_a_time_scores():
-    """Choices of different lengths are scored in one right-padded batch; each score must equal scoring
-    that choice alone (float64 on a random tiny Llama)."""
+    """Choices of different lengths are scored in one right-padded batch on the input's key/value cache;
+    each score must equal scoring input + choice alone without a cache (float64 on a random tiny Llama)."""
     from tiny_models import tiny_llama
 
     model = tiny_llama(seed=0).double().eval()
+    assert _has_kv_cache(model)  # the cached path is the one under test
     words = [f"w{i}" for i in range(40)]
     tok = WordTok(words)
     g = torch.Generator().manual_seed(0)
@@ -73,3 +74,11 @@ def test_batched_choice_scores_equal_one_at_a_time_scores():
                 logp = torch.log_softmax(_logits(model, ids)[0, :-1].double(), -1)
             alone = logp[torch.arange(len(ctx) - 1, len(ids[0]) - 1), ids[0, len(ctx) :]].sum()
             assert count == len(cont) and total == pytest.approx(float(alone), rel=1e-6, abs=1e-6)
+
+
+def test_a_task_without_tokens_is_refused():
+    tok = WordTok(["a", "b"])
+    from tiny_models import tiny_llama
+
+    with pytest.raises(ValueError, match="non-empty input and non-empty choices"):
+        choice_log_likelihoods(tiny_llama(seed=0), tok, {"input": "", "choices": ["a"], "answer": 0})

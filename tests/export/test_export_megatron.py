@@ -14,8 +14,9 @@ from nemo_fp4qat.export import ExportConfig, export_checkpoint, validate_export
 pytestmark = pytest.mark.nemo
 
 
-@pytest.fixture(scope="module")
-def trained_gpt():
+@pytest.fixture(scope="module", params=["gpt", "llama"])
+def trained_gpt(request):
+    """GPT (plain MLP, one query group per head) and NeMo's Llama layout (gated MLP, grouped queries)."""
     pytest.importorskip("megatron.core")
     from nemo_fp4qat.nemo import megatron_cpu_mode
 
@@ -23,7 +24,7 @@ def trained_gpt():
 
     init_single_process_parallel()
     with megatron_cpu_mode():
-        model = tiny_gpt(hidden=128)
+        model = tiny_gpt(hidden=128, llama=request.param == "llama")
         ctl = QATController(policy="trtllm_mixed", schedule="direct", calibration=4,
                             forward_fn=lambda m, b: m(*gpt_inputs(b)))  # fmt: skip
         ctl.prepare(model)
@@ -46,6 +47,9 @@ def test_qnemo_export_of_megatron_gpt(tmp_path, trained_gpt, tp):
     assert all((out / f"rank{r}.safetensors").is_file() for r in range(tp))
     report = validate_export(out, model=trained_gpt)
     assert report.ok, report.format()
-    # qkv (per-head-group interleave undone), proj, fc1, fc2 of both layers, merged over the ranks
-    assert report.numeric["layers_compared"] == 8
+    # qkv (per-head-group interleave undone), proj, fc1 (gated: split into fc and gate), fc2 of both layers,
+    # merged over the ranks
+    gated = trained_gpt.config.gated_linear_unit
+    assert config["architecture"] == ("LlamaForCausalLM" if gated else "GPTForCausalLM"), config["architecture"]
+    assert report.numeric["layers_compared"] == (10 if gated else 8)
     assert report.numeric["fp4_codes_compared"] > 0 and report.numeric["fp4_codes_different"] == 0

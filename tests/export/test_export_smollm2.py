@@ -185,3 +185,32 @@ def test_smoothed_default_exports_exactly_and_keeps_the_full_precision_function(
     report = json.loads((out / "validation.json").read_text())
     assert report["ok"] and report["numeric"]["fp4_codes_different"] == 0, report["errors"][:3]
     assert report["numeric"]["layers_compared"] == len(quantized_layers(model))
+
+
+def test_demo_recipe_exports_for_trtllm_code_for_code_and_deploys_its_perplexity(tmp_path, smollm2):
+    """The demo's default deployable recipe (mlp_in smoothing folded into the norms + the NVFP4 block scale
+    search applied as a weight clip) changes the weights, not the checkpoint format: the TensorRT-LLM export
+    of the calibrated model validates 0 FP4 codes away from training, and the HF export, rebuilt as served,
+    has the trained model's perplexity (the searched scales are derived again from the clipped weights)."""
+    base, tok, calib = smollm2
+    demo = DemoConfig()
+    model = copy.deepcopy(base)
+    calibration = {"num_samples": 4, "smoothing": demo.smoothing, "block_scale_search": demo.block_scale_search}
+    ctl = QATController(policy=demo.policy, schedule="direct", calibration=calibration, forward_fn=lambda m, b: m(b))
+    ctl.prepare(model)
+    ctl.calibrate(model, calib)
+    assert len(ctl.smoothed) == base.config.num_hidden_layers  # mlp_in only
+    nvfp4 = [lf.module for lf in quantized_layers(model) if lf.weight.name == "nvfp4"]
+    assert nvfp4 and set(ctl.block_clips) == set(nvfp4), sorted(set(ctl.block_clips) ^ set(nvfp4))[:4]
+    assert all(c.clipped > 0 and c.error_searched < c.error_max_rule for c in ctl.block_clips.values())
+    trt = export_checkpoint(model, tmp_path / "trtllm", ExportConfig(kind="trtllm", runtime="trtllm"), tokenizer=tok)
+    report = json.loads((trt / "validation.json").read_text())
+    assert report["ok"] and not report["errors"], report["errors"][:3]
+    num = report["numeric"]
+    assert num["fp4_codes_compared"] > 0 and num["fp4_codes_different"] == 0 and num["max_rel_error"] <= 2e-6
+    assert num["layers_compared"] == sum(a is not None for a in report["layers"].values())
+    val, window = _demo_val(tok)
+    hf = load_deployed_model(export_checkpoint(model, tmp_path / "hf", ExportConfig(kind="hf"), tokenizer=tok))
+    assert perplexity(hf.model, val, window=window)["ppl"] == pytest.approx(
+        perplexity(model, val, window=window)["ppl"], rel=1e-5
+    )
