@@ -20,6 +20,10 @@ format table) cannot be activated by mutmut's trampolines, which pick the mutant
 called in the forked test process: such survivors were applied to the source by hand and are listed with
 the test that kills them (``benchmarks/mutation_equivalent.json``).
 
+mutmut 3 does not mutate decorated functions: ``block_scale_search.py``'s search, clip and moments (all
+``@torch.no_grad()``) get no mutants, so its score covers only its undecorated helpers; the search itself is
+pinned by float64 brute force and modelopt's exporter in its tests.
+
 The tests run with one thread (``OMP_NUM_THREADS=1``): mutmut forks each mutant's test process from a
 parent that already ran the tests, and GNU OpenMP's thread pool does not survive a fork, so before this every
 mutant whose tests reached a parallel kernel hung until mutmut's timeout (all of the controller's first 14;

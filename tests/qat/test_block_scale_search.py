@@ -153,6 +153,20 @@ def test_calibration_clips_nvfp4_weights_once_and_nothing_else():
     assert all(torch.equal(v, snapshot[k]) for k, v in model.state_dict().items())
 
 
+def test_a_disabled_nvfp4_weight_quantizer_is_not_searched():
+    """A layer whose NVFP4 weight quantizer is switched off trains and deploys unquantized: no clip."""
+    from nemo_fp4qat.qat.block_scale_search import clip_nvfp4_weights
+
+    _, model = _calibrated(False)
+    mods = dict(model.named_modules())
+    off = "model.layers.0.mlp.down_proj"
+    mods[off].weight_quantizer.disable()
+    before = mods[off].weight.detach().clone()
+    found = clip_nvfp4_weights(model)
+    assert off not in found and "model.layers.1.mlp.down_proj" in found
+    assert torch.equal(mods[off].weight.detach(), before)
+
+
 def test_a_progressive_run_searches_at_the_switch_to_nvfp4():
     schedule = {"stages": [{"start": 0, "format": "fp8"}, {"start": 2, "format": "nvfp4"}]}
     ctl, model = _calibrated(True, schedule)
