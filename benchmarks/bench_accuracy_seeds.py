@@ -25,7 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from accuracy_data import load_accuracy_data
-from common import RESULTS_DIR, machine
+from common import RESULTS_DIR, machine, pyplot, save_figure
 from peer_torchao import TORCHAO_VERSION, prepare_torchao_nvfp4_qat, torchao_available
 
 from nemo_fp4qat import FP4QATCallback
@@ -146,10 +146,7 @@ def summarize(per_seed: dict[int, dict[str, dict]], cfg: DemoConfig, mc_tasks: i
 
 
 def plot(per_seed: dict[int, dict[str, dict]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     seeds = sorted(per_seed)
     names = list(per_seed[seeds[0]])
@@ -163,8 +160,7 @@ def plot(per_seed: dict[int, dict[str, dict]], path: Path) -> None:
     ax.invert_yaxis()
     ax.set_xlabel(f"perplexity on Persuasion (lower is better), mean ± sd over {len(seeds)} seed(s)")
     ax.set_xlim(min(means) * 0.9, max(means) * 1.05)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from accuracy_data import load_accuracy_data
-from common import RESULTS_DIR, machine, write_result
+from common import RESULTS_DIR, machine, pyplot, save_figure, write_result
 
 from nemo_fp4qat import FP4QATCallback
 from nemo_fp4qat.demo.pipeline import DemoConfig, _train
@@ -191,10 +191,7 @@ def render(d: dict) -> str:
 
 
 def plot(d: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = list(d["rows"])
     fig, ax = plt.subplots(figsize=(9, 4.5))
@@ -208,9 +205,7 @@ def plot(d: dict, path: Path) -> None:
     ax.set_xlim(lo, max(r["ptq"] for r in d["rows"].values()) * 1.02)
     ax.set_xlabel("perplexity on Persuasion (lower is better)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

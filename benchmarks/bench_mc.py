@@ -24,7 +24,7 @@ from pathlib import Path
 import modelopt.torch.quantization as mtq
 from accuracy_data import load_accuracy_data
 from bench_levers import qad_served
-from common import RESULTS_DIR, machine, write_result
+from common import RESULTS_DIR, machine, pyplot, save_figure, write_result
 from tqdm import tqdm
 
 from nemo_fp4qat.demo.pipeline import DemoConfig, _train
@@ -170,10 +170,7 @@ def _tasks_needed(p: dict) -> str:
 
 
 def plot(d: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = list(d["rows"])
     n = d["tasks"]
@@ -190,9 +187,7 @@ def plot(d: dict, path: Path) -> None:
     ax2.axvline(0.25, color="k", ls=":", label="chance")
     ax2.set_xlabel(f"MC accuracy, {n} tasks (95% interval of one row)")
     ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from accuracy_data import load_accuracy_data
-from common import RESULTS_DIR, machine
+from common import RESULTS_DIR, machine, pyplot, save_figure
 
 from nemo_fp4qat import FP4QATCallback, LayerPolicy
 from nemo_fp4qat.demo.pipeline import DemoConfig, _train
@@ -146,10 +146,7 @@ def render(pareto: dict, entries: list[dict]) -> str:
 
 
 def plot(entries: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for e in entries:
@@ -160,9 +157,7 @@ def plot(entries: list[dict], path: Path) -> None:
     ax.set_xlabel("bits per linear weight (block scales included)")
     ax.set_ylabel("perplexity on Persuasion (lower is better)")
     ax.set_xlim(4, 17.5)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> None:

@@ -55,3 +55,20 @@ def alternating_worker_runs(script: str, variants: list[str], rounds: int) -> di
             out = subprocess.run([sys.executable, script, "--worker", v], capture_output=True, text=True, check=True)
             runs[v].append(json.loads(out.stdout.strip().splitlines()[-1]))
     return runs
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (benchmarks run headless and only write PNGs)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: Path) -> None:
+    """Write ``fig`` to ``path`` as the results' PNGs are written (tight layout, 120 dpi) and free it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)

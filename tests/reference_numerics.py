@@ -28,6 +28,15 @@ def minifloat_values(e_bits: int, m_bits: int) -> np.ndarray:
     return np.array(vals, dtype=np.float64)
 
 
+def e2m1_code_value(code: int) -> float:
+    """The value of a 4-bit E2M1 code as checkpoints store it: bits 0-2 index the magnitudes, bit 3 is the sign."""
+    v = float(_E2M1[code & 7])
+    return -v if code & 8 else v
+
+
+_E2M1 = minifloat_values(2, 1)
+
+
 def round_ref(v: np.ndarray, e_bits: int, m_bits: int) -> np.ndarray:
     """Round |v| (float64) to the format: nearest, ties to even code, saturating; NaN stays NaN."""
     vals = minifloat_values(e_bits, m_bits)

@@ -18,15 +18,9 @@ import torch
 
 from nemo_fp4qat.export.unpack import dequantize_linear, e8m0_to_float, unpack_e2m1_codes
 
-from reference_numerics import minifloat_values
+from reference_numerics import e2m1_code_value, minifloat_values
 
-E2M1 = minifloat_values(2, 1)  # code 0..7 -> value; bit 3 is the sign
 E4M3 = minifloat_values(4, 3)
-
-
-def _e2m1(code: int) -> float:
-    v = float(E2M1[code & 7])
-    return -v if code & 8 else v
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -45,7 +39,7 @@ def _ref_fp4(packed: torch.Tensor, scale_of: callable) -> np.ndarray:
         *lead, j = idx
         byte = int(p[idx])
         for k, code in ((2 * j, byte & 0xF), (2 * j + 1, byte >> 4)):
-            out[(*lead, k)] = _e2m1(code) * scale_of((*lead, k))
+            out[(*lead, k)] = e2m1_code_value(code) * scale_of((*lead, k))
     return out
 
 

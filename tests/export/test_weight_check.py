@@ -12,14 +12,7 @@ import torch
 from nemo_fp4qat.export.validation_report import ValidationReport
 from nemo_fp4qat.export.weight_check import compare_weights
 
-from reference_numerics import minifloat_values
-
-E2M1 = minifloat_values(2, 1)  # code 0..7 -> value; bit 3 is the sign
-
-
-def _value(code: int) -> float:
-    v = float(E2M1[code & 7])
-    return -v if code & 8 else v
+from reference_numerics import e2m1_code_value
 
 
 def _layer(codes: torch.Tensor, scales: list[list[float]], gs: float) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -28,7 +21,7 @@ def _layer(codes: torch.Tensor, scales: list[list[float]], gs: float) -> tuple[d
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
     sc = torch.tensor(scales, dtype=torch.float64)
     assert torch.equal(sc.to(torch.float8_e4m3fn).double(), sc)  # the test's scales are E4M3 values
-    vals = torch.tensor([[_value(int(c)) for c in row] for row in codes], dtype=torch.float64)
+    vals = torch.tensor([[e2m1_code_value(int(c)) for c in row] for row in codes], dtype=torch.float64)
     ref = vals * sc.repeat_interleave(16, dim=1) * gs
     t = {"weight": packed, "weight_scale": sc.to(torch.float8_e4m3fn), "weight_scale_2": torch.tensor(gs)}
     return t, ref
