@@ -200,6 +200,9 @@ def test_demo_recipe_exports_for_trtllm_code_for_code_and_deploys_its_perplexity
     ctl.prepare(model)
     ctl.calibrate(model, calib)
     assert len(ctl.smoothed) == base.config.num_hidden_layers  # mlp_in only
+    # down_proj is not smoothed (mlp_in scales gate/up): only the clip can have changed its weights
+    down = "model.layers.0.mlp.down_proj"
+    assert not torch.equal(dict(model.named_modules())[down].weight, dict(base.named_modules())[down].weight)
     nvfp4 = [lf.module for lf in quantized_layers(model) if lf.weight.name == "nvfp4"]
     assert nvfp4 and set(ctl.block_clips) == set(nvfp4), sorted(set(ctl.block_clips) ^ set(nvfp4))[:4]
     assert all(c.clipped > 0 and c.error_searched < c.error_max_rule for c in ctl.block_clips.values())
