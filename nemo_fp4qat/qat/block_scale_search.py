@@ -53,7 +53,6 @@ class BlockClip:
     error_searched: float
 
 
-@torch.no_grad()
 def search_nvfp4_block_clip(
     weight: torch.Tensor,
     amax: torch.Tensor | float | None,
@@ -69,53 +68,54 @@ def search_nvfp4_block_clip(
     channel, e.g. the mean square of the layer's input) weights each element's squared error: the
     error of the layer's output ``x @ W.T`` rather than of the weight (a diagonal of GPTQ's Hessian).
     """
-    gs = _nvfp4_global_scale(weight, amax, None)
-    xb, n = _blocked(weight, block_size)
-    xabs = torch.nan_to_num(xb.abs(), nan=0.0)
-    block_max = _nan_free_block_amax(xabs)
-    blocks = block_max.numel()
-    if not (gs > 0 and math.isfinite(gs)):
-        return weight.clone(), BlockClip(blocks=blocks, clipped=0, error_max_rule=0.0, error_searched=0.0)
-    gs_t = torch.tensor(gs, dtype=torch.float32)
-    cw = None
-    if channel_weight is not None:
-        cw, _ = _blocked(channel_weight.reshape(1, -1).to(xb.dtype), block_size)  # [1, nblocks, block]
+    with torch.no_grad():  # a block, not a decorator: mutmut skips decorated functions
+        gs = _nvfp4_global_scale(weight, amax, None)
+        xb, n = _blocked(weight, block_size)
+        xabs = torch.nan_to_num(xb.abs(), nan=0.0)
+        block_max = _nan_free_block_amax(xabs)
+        blocks = block_max.numel()
+        if not (gs > 0 and math.isfinite(gs)):
+            return weight.clone(), BlockClip(blocks=blocks, clipped=0, error_max_rule=0.0, error_searched=0.0)
+        gs_t = torch.tensor(gs, dtype=torch.float32)
+        cw = None
+        if channel_weight is not None:
+            cw, _ = _blocked(channel_weight.reshape(1, -1).to(xb.dtype), block_size)  # [1, nblocks, block]
 
-    def block_error(scale: torch.Tensor) -> torch.Tensor:
-        q = round_to_minifloat(xabs / scale, (2, 1)) * scale  # saturates at 6 * scale, as the kernel does
-        e = (q - xabs).square()
-        return (e if cw is None else e * cw).sum(-1, keepdim=True)
+        def block_error(scale: torch.Tensor) -> torch.Tensor:
+            q = round_to_minifloat(xabs / scale, (2, 1)) * scale  # saturates at 6 * scale, as the kernel does
+            e = (q - xabs).square()
+            return (e if cw is None else e * cw).sum(-1, keepdim=True)
 
-    code0 = torch.clamp(block_max / (_E2M1_MAX * gs_t), max=_E4M3_MAX).to(torch.float8_e4m3fn)
-    scale0 = code0.float() * gs_t
-    usable = scale0 >= _MIN_SCALE
-    base_err = block_error(torch.where(usable, scale0, torch.ones_like(scale0)))
-    best_err, best_scale = base_err.clone(), scale0.clone()
-    bits = code0.view(torch.uint8).to(torch.int16)
-    k = 1
-    while True:  # E4M3 codes of positive values are ordered as their bit patterns: code - k is the k-th below
-        cand_bits = bits - k
-        scale = cand_bits.clamp(min=1).to(torch.uint8).view(torch.float8_e4m3fn).float() * gs_t
-        ok = usable & (cand_bits >= 1) & (scale >= min_ratio * scale0) & (scale >= _MIN_SCALE)
-        if not bool(ok.any()):
-            break
-        err = block_error(torch.where(ok, scale, torch.ones_like(scale)))
-        better = ok & (err < best_err)
-        best_err = torch.where(better, err, best_err)
-        best_scale = torch.where(better, scale, best_scale)
-        k += 1
-    # the blocks that hold the tensor's max keep it (so a per-tensor amax recomputed from the weights is unchanged)
-    keep = block_max >= block_max.max()
-    lowered = (best_scale < scale0) & ~keep
-    clip_at = torch.where(lowered, _E2M1_MAX * best_scale, torch.full_like(best_scale, float("inf")))
-    clipped = torch.where(xb.abs() > clip_at, torch.sign(xb) * clip_at, xb)
-    summary = BlockClip(
-        blocks=blocks,
-        clipped=int(lowered.sum()),
-        error_max_rule=float(base_err.sum()) / weight.numel(),
-        error_searched=float(torch.where(lowered, best_err, base_err).sum()) / weight.numel(),
-    )
-    return _unblocked(clipped, weight, n), summary
+        code0 = torch.clamp(block_max / (_E2M1_MAX * gs_t), max=_E4M3_MAX).to(torch.float8_e4m3fn)
+        scale0 = code0.float() * gs_t
+        usable = scale0 >= _MIN_SCALE
+        base_err = block_error(torch.where(usable, scale0, torch.ones_like(scale0)))
+        best_err, best_scale = base_err.clone(), scale0.clone()
+        bits = code0.view(torch.uint8).to(torch.int16)
+        k = 1
+        while True:  # E4M3 codes of positive values are ordered as their bit patterns: code - k is the k-th below
+            cand_bits = bits - k
+            scale = cand_bits.clamp(min=1).to(torch.uint8).view(torch.float8_e4m3fn).float() * gs_t
+            ok = usable & (cand_bits >= 1) & (scale >= min_ratio * scale0) & (scale >= _MIN_SCALE)
+            if not bool(ok.any()):
+                break
+            err = block_error(torch.where(ok, scale, torch.ones_like(scale)))
+            better = ok & (err < best_err)
+            best_err = torch.where(better, err, best_err)
+            best_scale = torch.where(better, scale, best_scale)
+            k += 1
+        # the blocks that hold the tensor's max keep it (so a per-tensor amax recomputed from the weights is unchanged)
+        keep = block_max >= block_max.max()
+        lowered = (best_scale < scale0) & ~keep
+        clip_at = torch.where(lowered, _E2M1_MAX * best_scale, torch.full_like(best_scale, float("inf")))
+        clipped = torch.where(xb.abs() > clip_at, torch.sign(xb) * clip_at, xb)
+        summary = BlockClip(
+            blocks=blocks,
+            clipped=int(lowered.sum()),
+            error_max_rule=float(base_err.sum()) / weight.numel(),
+            error_searched=float(torch.where(lowered, best_err, base_err).sum()) / weight.numel(),
+        )
+        return _unblocked(clipped, weight, n), summary
 
 
 def _is_nvfp4(quantizer: nn.Module | None) -> bool:
@@ -123,7 +123,6 @@ def _is_nvfp4(quantizer: nn.Module | None) -> bool:
     return enabled and format_name_of(quantizer) == "nvfp4"
 
 
-@torch.no_grad()
 def clip_nvfp4_weights(
     model: nn.Module,
     modules: set[str] | None = None,
@@ -136,24 +135,24 @@ def clip_nvfp4_weights(
     layers' included, ``nemo_fp4qat.qat.w4a8_scaling``). ``channel_weights``: layer -> per-input-channel
     weight of the error (:func:`input_second_moments`). Returns the summary per layer.
     """
-    out: dict[str, BlockClip] = {}
-    for name, mod in model.named_modules():
-        if modules is not None and name not in modules:
-            continue
-        wq, weight = getattr(mod, "weight_quantizer", None), getattr(mod, "weight", None)
-        if not isinstance(weight, torch.Tensor) or not _is_nvfp4(wq):
-            continue
-        amax = getattr(wq, "_amax", None)
-        if not isinstance(amax, torch.Tensor):
-            continue
-        block = int((getattr(wq, "block_sizes", None) or {}).get(-1, 16))
-        cw = (channel_weights or {}).get(name)
-        clipped, out[name] = search_nvfp4_block_clip(weight.data, amax, block, min_ratio, cw)
-        weight.data.copy_(clipped)
-    return out
+    with torch.no_grad():  # a block, not a decorator: mutmut skips decorated functions
+        out: dict[str, BlockClip] = {}
+        for name, mod in model.named_modules():
+            if modules is not None and name not in modules:
+                continue
+            wq, weight = getattr(mod, "weight_quantizer", None), getattr(mod, "weight", None)
+            if not isinstance(weight, torch.Tensor) or not _is_nvfp4(wq):
+                continue
+            amax = getattr(wq, "_amax", None)
+            if not isinstance(amax, torch.Tensor):
+                continue
+            block = int((getattr(wq, "block_sizes", None) or {}).get(-1, 16))
+            cw = (channel_weights or {}).get(name)
+            clipped, out[name] = search_nvfp4_block_clip(weight.data, amax, block, min_ratio, cw)
+            weight.data.copy_(clipped)
+        return out
 
 
-@torch.no_grad()
 def input_second_moments(
     model: nn.Module, batches: list, forward_fn: Callable[[nn.Module, Any], Any], modules: set[str] | None = None
 ) -> dict[str, torch.Tensor]:
@@ -161,31 +160,32 @@ def input_second_moments(
 
     Measured on the model as it stands (quantizers as configured), by forward pre-hooks.
     """
-    sums: dict[str, torch.Tensor] = {}
-    counts: dict[str, int] = {}
-    hooks = []
-    for name, mod in model.named_modules():
-        if (modules is None or name in modules) and _is_nvfp4(getattr(mod, "weight_quantizer", None)):
+    with torch.no_grad():  # a block, not a decorator: mutmut skips decorated functions
+        sums: dict[str, torch.Tensor] = {}
+        counts: dict[str, int] = {}
+        hooks = []
+        for name, mod in model.named_modules():
+            if (modules is None or name in modules) and _is_nvfp4(getattr(mod, "weight_quantizer", None)):
 
-            def hook(_m: nn.Module, args: tuple, _name: str = name) -> None:
-                x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
-                sums[_name] = sums.get(_name, 0) + x.square().sum(0)
-                counts[_name] = counts.get(_name, 0) + x.shape[0]
+                def hook(_m: nn.Module, args: tuple, _name: str = name) -> None:
+                    x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+                    sums[_name] = sums.get(_name, 0) + x.square().sum(0)
+                    counts[_name] = counts.get(_name, 0) + x.shape[0]
 
-            hooks.append(mod.register_forward_pre_hook(hook))
-    try:
-        forward_batches(model, batches, forward_fn)
-    finally:
-        for h in hooks:
-            h.remove()
-    # Data-parallel ranks calibrate on different samples but hold the same weights: they must clip alike (or
-    # their replicas drift apart), so the sums and counts are all-reduced over the ranks holding the same shard.
-    import torch.distributed as dist
+                hooks.append(mod.register_forward_pre_hook(hook))
+        try:
+            forward_batches(model, batches, forward_fn)
+        finally:
+            for h in hooks:
+                h.remove()
+        # Data-parallel ranks calibrate on different samples but hold the same weights: they must clip alike (or
+        # their replicas drift apart), so the sums and counts are all-reduced over the ranks holding the same shard.
+        import torch.distributed as dist
 
-    names = sorted(sums)
-    if names and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        parts = [sums[n] for n in names] + [sums[names[0]].new_tensor([float(counts[n]) for n in names])]
-        *reduced, n_rows = _all_reduce_flat(parts, dist.ReduceOp.SUM, _data_parallel_group())
-        for n, total, rows in zip(names, reduced, n_rows.tolist(), strict=True):
-            sums[n], counts[n] = total, int(rows)
-    return {n: (sums[n] / counts[n]).float() for n in sums}
+        names = sorted(sums)
+        if names and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            parts = [sums[n] for n in names] + [sums[names[0]].new_tensor([float(counts[n]) for n in names])]
+            *reduced, n_rows = _all_reduce_flat(parts, dist.ReduceOp.SUM, _data_parallel_group())
+            for n, total, rows in zip(names, reduced, n_rows.tolist(), strict=True):
+                sums[n], counts[n] = total, int(rows)
+        return {n: (sums[n] / counts[n]).float() for n in sums}

@@ -129,8 +129,6 @@ def collect_batches(batches: Iterable[Any], num_samples: int, seq_len: int | Non
     seen = 0
     for batch in batches:
         need = num_samples - seen
-        if need <= 0:
-            break
         rows = _batch_rows(batch)
         if rows > need:
             batch = _take_rows(batch, need)
@@ -139,6 +137,8 @@ def collect_batches(batches: Iterable[Any], num_samples: int, seq_len: int | Non
             batch = _map_tensors(batch, lambda t: t[:, :seq_len] if t.dim() >= 2 else t)
         out.append(_map_tensors(batch, lambda t: t.detach().to("cpu")))
         seen += rows
+        if seen >= num_samples:  # stop here, not at the next batch: a dataloader pull can cost a whole batch's I/O
+            break
     if not out:
         raise ValueError("Calibration data is empty: the dataloader yielded no batch.")
     return out

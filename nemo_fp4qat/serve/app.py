@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import secrets
 import threading
 import time
 import uuid
@@ -34,6 +33,16 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .generation import GenerationRow, SamplingParams
+from .validation import (
+    APIError,
+    BodySizeLimit,
+    chat_max_tokens,
+    check_api_key,
+    check_chat_request,
+    check_generation,
+    completion_prompts,
+    error_response,
+)
 
 __all__ = ["ChatCompletionRequest", "CompletionRequest", "ServeSettings", "create_app"]
 
@@ -109,17 +118,8 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=5)
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-
-
 def _backend_error(e: Exception) -> APIError:
     return APIError(500, f"generation failed: {type(e).__name__}: {e}", kind="server_error")
-
-
-def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param}})
 
 
 @dataclass
@@ -263,50 +263,6 @@ class Batcher:
             job.future.set_exception(error)
 
 
-class BodySizeLimit:
-    """ASGI middleware: a request body over ``limit`` bytes gets 413 without being read whole.
-
-    Checked on the declared Content-Length and again while a chunked body streams in. Hand-written
-    because neither Starlette nor FastAPI limits body size (uvicorn only limits header size).
-    """
-
-    def __init__(self, app: Any, limit: int, metrics: Metrics) -> None:
-        self.app, self.limit, self.metrics = app, limit, metrics
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await self._reject(send)
-        # Read the body first (the app reads it whole anyway to parse JSON), stopping at the limit, then
-        # replay it to the app; after the replay `receive` is the server's again (disconnect detection).
-        messages, seen = [], 0
-        while True:
-            message = await receive()
-            messages.append(message)
-            if message["type"] != "http.request":
-                break
-            seen += len(message.get("body", b""))
-            if seen > self.limit:
-                return await self._reject(send)
-            if not message.get("more_body", False):
-                break
-
-        async def replay() -> dict:
-            return messages.pop(0) if messages else await receive()
-
-        await self.app(scope, replay, send)
-
-    async def _reject(self, send: Any) -> None:
-        self.metrics.rejected_body += 1
-        self.metrics.count_error(413)
-        msg = f"body: request body exceeds max_body_bytes {self.limit}; send a smaller request"
-        response = _error(413, msg, "body")
-        await send({"type": "http.response.start", "status": 413, "headers": response.raw_headers})
-        await send({"type": "http.response.body", "body": response.body})
-
-
 def _completion_logprobs(row: GenerationRow) -> dict[str, Any]:
     offsets, pos = [], 0
     for lp in row.logprobs:
@@ -358,12 +314,12 @@ def create_app(backend: Any, settings: ServeSettings | None = None) -> FastAPI:
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         status = 400 if err.get("type") == "json_invalid" else 422
         metrics.count_error(status)
-        return _error(status, f"{'.'.join(loc) or 'body'}: {err.get('msg')}", ".".join(loc) or None)
+        return error_response(status, f"{'.'.join(loc) or 'body'}: {err.get('msg')}", ".".join(loc) or None)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         metrics.count_error(exc.status)
-        response = _error(exc.status, exc.message, exc.param, exc.kind)
+        response = error_response(exc.status, exc.message, exc.param, exc.kind)
         if exc.status == 503:
             response.headers["Retry-After"] = "1"
         return response
@@ -371,17 +327,10 @@ def create_app(backend: Any, settings: ServeSettings | None = None) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         metrics.count_error(exc.status_code)
-        return _error(exc.status_code, str(exc.detail))
+        return error_response(exc.status_code, str(exc.detail))
 
     def auth(request: Request) -> None:
-        if settings.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        # constant time, on bytes: compare_digest refuses non-ASCII str (a header can carry any latin-1 byte)
-        given = token.strip().encode("utf-8", "surrogateescape")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(given, settings.api_key.encode()):
-            raise APIError(401, "missing or invalid API key (Authorization: Bearer <key>)", kind="authentication_error")
+        check_api_key(request.headers.get("authorization", ""), settings.api_key)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -400,18 +349,7 @@ def create_app(backend: Any, settings: ServeSettings | None = None) -> FastAPI:
         return metrics.text()
 
     def check(req: _Sampling, prompts: list[str], max_tokens: int) -> None:
-        if len(prompts) * req.n > settings.max_batch_size:
-            raise APIError(422, f"prompt: {len(prompts)} prompt(s) x n={req.n} exceed max_batch_size "
-                           f"{settings.max_batch_size}", "n" if req.n > 1 else "prompt")  # fmt: skip
-        if max_tokens > settings.max_tokens:
-            raise APIError(422, f"max_tokens: {max_tokens} exceeds the limit {settings.max_tokens}", "max_tokens")
-        if req.model is not None and req.model != backend.model_id:
-            raise APIError(404, f"model: {req.model!r} is not served (serving {backend.model_id!r})", "model")
-        for p in prompts:
-            n = backend.count_tokens(p)
-            if n > settings.max_prompt_tokens:
-                raise APIError(413, f"prompt: {n} tokens exceed max_prompt_tokens {settings.max_prompt_tokens}",
-                               "prompt")  # fmt: skip
+        check_generation(settings, prompts, req.n, max_tokens, req.model, backend.model_id, backend.count_tokens)
 
     async def submit(prompts: list[str], req: _Sampling, params: SamplingParams) -> _Job:
         if batcher.queue.qsize() >= settings.max_queued_requests:
@@ -505,9 +443,7 @@ def create_app(backend: Any, settings: ServeSettings | None = None) -> FastAPI:
     async def completions(req: CompletionRequest) -> Any:
         t0 = time.perf_counter()
         metrics.requests += 1
-        prompts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
-        if not prompts or any(not isinstance(p, str) or not p for p in prompts):
-            raise APIError(422, "prompt: give a non-empty string or list of non-empty strings", "prompt")
+        prompts = completion_prompts(req.prompt)
         check(req, prompts, req.max_tokens)
         params = SamplingParams(req.max_tokens, req.temperature, req.top_p, req.stops(), req.seed, req.logprobs)
         job = await submit(prompts, req, params)
@@ -525,14 +461,10 @@ def create_app(backend: Any, settings: ServeSettings | None = None) -> FastAPI:
     async def chat_completions(req: ChatCompletionRequest) -> Any:
         t0 = time.perf_counter()
         metrics.requests += 1
-        if not backend.chat_template:
-            raise APIError(400, f"messages: the export {backend.model_id!r} has no chat template; use /v1/completions, "
-                           "or export with a tokenizer that carries one", "messages")  # fmt: skip
-        if req.top_logprobs is not None and not req.logprobs:
-            raise APIError(422, "top_logprobs: requires logprobs: true", "top_logprobs")
+        check_chat_request(bool(backend.chat_template), backend.model_id, req.logprobs, req.top_logprobs)
         prompt = backend.apply_chat_template([{"role": m.role if m.role != "developer" else "system",
                                                "content": m.text()} for m in req.messages])  # fmt: skip
-        max_tokens = req.max_completion_tokens or req.max_tokens or min(settings.max_tokens, 256)
+        max_tokens = chat_max_tokens(req.max_completion_tokens, req.max_tokens, settings.max_tokens)
         check(req, [prompt], max_tokens)
         top = (req.top_logprobs or 0) if req.logprobs else None
         params = SamplingParams(max_tokens, req.temperature, req.top_p, req.stops(), req.seed, top)

@@ -3,7 +3,7 @@ clear error (not a hang) when the ranks hold different quantizers."""
 
 from __future__ import annotations
 
-import time
+import datetime
 
 import pytest
 import torch
@@ -34,7 +34,8 @@ def _model(rank: int, mismatch: bool) -> nn.Module:
 def _worker(rank: int, init: str, mode: str, out: dict) -> None:
     from nemo_fp4qat.qat.calibration import sync_amax_across_ranks
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    # a timeout, so a rank whose peer left raises instead of waiting forever in the collective
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
     try:
         m = _model(rank, mismatch=(mode == "mismatch"))
         before = {n: q.amax.clone() for n, q in m.named_modules() if hasattr(q, "_amax") and q.amax is not None}
@@ -50,16 +51,23 @@ def _worker(rank: int, init: str, mode: str, out: dict) -> None:
 
 
 def _run(tmp_path, mode):
+    """Rank 0 in this process, rank 1 spawned: the sync's code runs in the test process too, where coverage
+    and mutation tools (mutmut learns per test which functions it reaches) can see it."""
+    init = f"file://{tmp_path / 'store'}"
     with mp.Manager() as manager:  # shut down on exit: an unreferenced Manager's process outlives the test
-        out = manager.dict()
-        ctx = mp.spawn(_worker, args=(f"file://{tmp_path / 'store'}", mode, out), nprocs=2, join=False)
-        deadline = time.time() + 300  # a broken sync hangs in the collective: fail instead of waiting forever
-        while not ctx.join(timeout=5):
-            if time.time() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                pytest.fail("the two ranks hung in the amax sync")
-        return dict(out)
+        shared = manager.dict()
+        peer = mp.get_context("spawn").Process(target=_worker, args=(1, init, mode, shared))
+        peer.start()
+        out: dict = {}
+        try:
+            _worker(0, init, mode, out)
+        finally:
+            peer.join(timeout=300)  # a broken sync hangs in the collective: fail instead of waiting forever
+            if peer.is_alive():
+                peer.kill()
+                pytest.fail("rank 1 hung in the amax sync")
+        assert peer.exitcode == 0, f"rank 1 exited with {peer.exitcode}"
+        return {0: out[0], 1: shared[1]}
 
 
 def test_amax_becomes_the_max_over_ranks_per_tensor_and_per_channel(tmp_path):
