@@ -55,7 +55,9 @@ EQUIVALENT = ROOT / "benchmarks" / "mutation_equivalent.json"
 
 # module -> the tests that name its behaviour (mutmut runs, per mutant, those of them that execute it)
 TARGETS: dict[str, dict] = {
-    "fake_quant": {"module": "nemo_fp4qat/numerics/fake_quant.py", "tests": ["tests/numerics/test_cpu_numerics.py"]},
+    "fake_quant": {"module": "nemo_fp4qat/numerics/fake_quant.py",
+                   "tests": ["tests/numerics/test_cpu_numerics.py", "tests/numerics/test_fake_quant_edges.py",
+                             "tests/numerics/test_cpu_backend.py"]},
     "unpack": {"module": "nemo_fp4qat/export/unpack.py",
                "tests": ["tests/export/test_unpack.py", "tests/export/test_export.py"]},
     "layout": {"module": "nemo_fp4qat/export/layout.py", "tests": ["tests/export/test_export.py"]},
@@ -74,9 +76,15 @@ TARGETS: dict[str, dict] = {
                              "tests/qat/test_smoothing.py",
                              "tests/export/test_export.py::test_fp8_kv_cache_is_exported",
                              "tests/lightning/test_monitor.py::test_rollback_action_moves_the_group_back_one_stage"]},
+    # the rules at their limits (fast, direct), and the HTTP tests that meet each refusal through a server
     "serve_validation": {"module": "nemo_fp4qat/serve/validation.py",
-                  "tests": ["tests/serve/test_serve.py", "tests/serve/test_serve_openai.py",
-                            "tests/serve/test_serve_faults.py"]},
+                         "tests": ["tests/serve/test_validation.py",
+                                   "tests/serve/test_serve.py::test_bad_requests_get_4xx_naming_the_field",
+                                   "tests/serve/test_serve.py::test_api_key_on_every_endpoint_but_health",
+                                   "tests/serve/test_serve_openai.py::test_errors_the_client_sees",
+                                   "tests/serve/test_serve_faults.py::test_oversize_bodies_get_413_declared_or_chunked",
+                                   "tests/serve/test_serve_faults.py::"
+                                   "test_a_non_ascii_api_key_is_refused_with_401_not_a_server_error"]},
     "block_scale_search": {"module": "nemo_fp4qat/qat/block_scale_search.py",
                            "tests": ["tests/qat/test_block_scale_search.py"]},
     "paired": {"module": "nemo_fp4qat/eval/paired.py", "tests": ["tests/eval/test_paired.py"]},
