@@ -43,7 +43,11 @@ LEVERS: dict[str, tuple[str, dict | None, bool]] = {
     "FP8 MLP activations (nvfp4_w4a8)": ("nvfp4_w4a8", None, False),
     "FP8 MLP activations + smooth attn_in+mlp_in a0.5": ("nvfp4_w4a8", SM_IN, False),
     "FP8 MLP activations + block scale search": ("nvfp4_w4a8", None, True),
+    "rotation: block Hadamard 16": ("default", None, False),
+    "rotation: block Hadamard 64": ("default", None, False),
 }
+# levers applied to a rotated copy of the fine-tune (``residual_rotation``): lever -> Hadamard block size
+ROTATIONS = {"rotation: block Hadamard 16": 16, "rotation: block Hadamard 64": 64}
 NONE = "none (default policy, max calibration)"
 # QAD for the rows that could change the recipe; PTQ only for the others (smoothing attn_in + mlp_in measured worse
 # than none after QAD in an earlier run of this table; the other smoothing variants lose at PTQ already)
@@ -87,6 +91,18 @@ def qad_served(ft, data, out: Path, policy: str, smoothing: dict | None, search:
     return row, model
 
 
+def rotated(ft, block: int, data):
+    """The fine-tune with its residual stream rotated (``residual_rotation``), checked to compute what it did."""
+    from residual_rotation import check, rotate_residual_stream
+
+    m = rotate_residual_stream(ft, block)
+    drift = check(ft, m, data.calib[0][:2])
+    if drift > 1e-4:
+        raise SystemExit(f"the block-{block} rotation changed the full-precision logits by {drift:.2e} (relative)")
+    print(f"rotation block {block}: full-precision logits within {drift:.1e} (relative)", flush=True)
+    return m
+
+
 def main() -> None:
     import lightning.pytorch as pl
 
@@ -116,19 +132,22 @@ def main() -> None:
         raise SystemExit(f"unknown lever(s) {sorted(unknown)}; choose from {list(LEVERS)}")
     kept = json.loads((RESULTS_DIR / "levers.json").read_text())["rows"] if args.only else {}
     rows: dict[str, dict] = {n: r for n, r in kept.items() if n not in only}
+    sources = {name: rotated(ft, ROTATIONS[name], data) for name in ROTATIONS if name in only}
     for name, (policy, smoothing, search) in LEVERS.items():
         if name not in only:
             continue
         t0 = time.time()
-        m = data.ptq(ft, policy, smoothing, search)
+        m = data.ptq(sources.get(name, ft), policy, smoothing, search)
         rows[name] = {"policy": policy, "smoothing": smoothing, "block_scale_search": search, "ptq": data.ppl(m),
                       "ptq_s": time.time() - t0}  # fmt: skip
+        if name in ROTATIONS:
+            rows[name]["rotation_block"] = ROTATIONS[name]
         print(f"{name}: PTQ {rows[name]['ptq']:.3f}", flush=True)
         del m
     for name in QAD_LEVERS:
         if name not in only:
             continue
-        rows[name].update(qad_row(ft, data, out, *LEVERS[name]))
+        rows[name].update(qad_row(sources.get(name, ft), data, out, *LEVERS[name]))
         r = rows[name]
         print(f"{name}: QAD {r['qad']:.3f} (in memory {r['qad_in_memory']:.3f}), export {r['export']}", flush=True)
     base_ptq = rows[NONE]["ptq"]

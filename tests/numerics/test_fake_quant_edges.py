@@ -154,3 +154,61 @@ def test_formats_without_a_cpu_kernel_are_named_in_the_error():
     with pytest.raises(ValueError, match=r"^MX element format E5M2 has no CPU fake quant; on a CPU use one of: "
                                          r"NVFP4 \(E2M1, E4M3 scales\), MXFP4"):  # fmt: skip
         cfq.fake_quant_mx(x, (5, 2))
+
+
+@pytest.mark.parametrize("native", IMPLS, ids=lambda n: "native" if n else "torch")
+def test_the_block_dispatch_passes_the_quantizers_block_size(native):
+    """modelopt's op passes the block size it was configured with: NVFP4 at 8 and MX at 16 are not the defaults."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 48, generator=g) * torch.logspace(-2, 2, 48)
+    amax = torch.tensor(float(x.abs().max()))
+    with cfq.use_native(native):
+        y = cfq.fake_quant_block(x, 8, amax, (2, 1), (4, 3))
+        assert np.array_equal(y.numpy(), nvfp4_ref(x.numpy(), float(amax), 8))
+        y = cfq.fake_quant_block(x, 16, None, (2, 3), (8, 0))
+        assert np.array_equal(y.numpy(), mx_ref(x.numpy(), (2, 3), 16))
+
+
+def test_a_block_format_without_a_kernel_is_named_exactly():
+    message = (r"^No CPU fake quant for elements E3M2 with scale E4M3; on a CPU use one of: "
+               r"NVFP4 \(E2M1, E4M3 scales\), MXFP4 .*; or run on a GPU\.$")  # fmt: skip
+    with pytest.raises(NotImplementedError, match=message):
+        cfq.fake_quant_block(torch.ones(2, 16), 16, None, (3, 2), (4, 3))
+
+
+def _fp8_ref(x: torch.Tensor, scale: float) -> np.ndarray:
+    """E4M3 of x / scale (float32 division), saturated at 448, times scale: float64 rounding on the E4M3 grid."""
+    from reference_numerics import round_ref
+
+    v = (x.float() / torch.tensor(scale, dtype=torch.float32)).numpy().astype(np.float64)
+    q = np.sign(v) * np.minimum(round_ref(np.abs(v), 4, 3), 448.0)
+    return (q.astype(np.float32) * np.float32(scale)).astype(np.float32)
+
+
+def test_fp8_uses_a_float32_scale_of_amax_over_448_whatever_the_amax_dtype_and_keeps_the_input_dtype():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 24, generator=g) * 3
+    amax = torch.tensor(5.3)
+    scale = float(torch.tensor(5.3, dtype=torch.float32) / 448.0)
+    ref = _fp8_ref(x, scale)
+    assert np.array_equal(cfq.fake_quant_fp8(x, amax).numpy(), ref)
+    assert np.array_equal(cfq.fake_quant_fp8(x, amax.double()).numpy(), ref)  # a float64 amax: the same float32 scale
+    half = cfq.fake_quant_fp8(x.bfloat16(), amax)
+    assert half.dtype == torch.bfloat16
+    assert torch.equal(half, torch.from_numpy(_fp8_ref(x.bfloat16(), scale)).bfloat16())
+    over = torch.tensor([[-100.0, 100.0, 5.3, -5.3]])  # beyond the amax: saturates at +-amax
+    assert torch.equal(cfq.fake_quant_fp8(over, amax), torch.tensor([[-1.0, 1.0, 1.0, -1.0]]) * scale * 448.0)
+
+
+def test_fp8_amax_at_or_below_2_to_the_minus_24_counts_as_1_as_modelopt_does():
+    x = torch.randn(2, 16) * 0.01
+    one = cfq.fake_quant_fp8(x, torch.tensor(1.0))
+    assert torch.equal(cfq.fake_quant_fp8(x, torch.tensor(2.0**-24)), one)
+    assert torch.equal(cfq.fake_quant_fp8(x, torch.tensor(0.0)), one)
+    above = float(np.nextafter(np.float32(2.0**-24), np.float32(1)))
+    assert not torch.equal(cfq.fake_quant_fp8(x, torch.tensor(above)), one)
+
+
+def test_fp8_without_amax_or_scale_says_what_it_needs():
+    with pytest.raises(ValueError, match=r"^fake_quant_fp8 needs amax \(training\) or scale \(an exported scale\)\.$"):
+        cfq.fake_quant_fp8(torch.ones(2))

@@ -191,9 +191,11 @@ def test_a_bad_setting_names_the_fix(bad):
 
 
 def _dp_worker(rank: int, init: str, out: dict) -> None:
+    import datetime
+
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
     try:
         model = tiny_llama(seed=2)  # the same replica on both ranks, calibrated on different samples
         ctl = QATController(policy="default", schedule="direct", forward_fn=lambda m, b: m(b),
@@ -208,21 +210,25 @@ def _dp_worker(rank: int, init: str, out: dict) -> None:
 def test_data_parallel_ranks_clip_alike(tmp_path):
     """Two gloo ranks calibrating on different batches must clip their replicas identically (else the replicas
     drift apart): the input moments are summed over the ranks, as one process calibrating on both ranks'
-    batches measures them."""
-    import time
-
+    batches measures them. Rank 0 runs in the test process (where mutation testing sees and mutates the code),
+    rank 1 is spawned."""
     import torch.multiprocessing as mp
 
+    init = f"file://{tmp_path / 'store'}"
     with mp.Manager() as manager:
-        out = manager.dict()
-        ctx = mp.spawn(_dp_worker, args=(f"file://{tmp_path / 'store'}", out), nprocs=2, join=False)
-        deadline = time.time() + 300
-        while not ctx.join(timeout=5):
-            if time.time() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                pytest.fail("the two ranks hung")
-        r0, r1 = dict(out[0]), dict(out[1])
+        shared = manager.dict()
+        peer = mp.get_context("spawn").Process(target=_dp_worker, args=(1, init, shared))
+        peer.start()
+        out: dict = {}
+        try:
+            _dp_worker(0, init, out)
+        finally:
+            peer.join(timeout=300)
+            if peer.is_alive():
+                peer.kill()
+                pytest.fail("rank 1 hung")
+        assert peer.exitcode == 0, f"rank 1 exited with {peer.exitcode}"
+        r0, r1 = out[0], dict(shared[1])
     _, alone = _calibrated(True)  # one process, every batch
     _, rank0_alone = _calibrated(True, batches=_batches()[0::2])
     for k, v in r0.items():
