@@ -11,8 +11,8 @@ values the quantizers see move: a Hadamard ``Q`` spreads each channel's outliers
 ``Q`` is block-diagonal: Sylvester Hadamard blocks of ``block`` channels (16 = one NVFP4 block, so each block's
 values are mixed among themselves only; 64 mixes four). Plain model code: the exported checkpoint is a normal
 Llama with untied embeddings (``tie_word_embeddings`` false), which costs one more vocab x hidden matrix
-(SmolLM2-135M: 28 M parameters, +21%). Benchmark code, not a product feature: it measured worse than none on
-the demo model (``results/levers.md``), so the product has no rotation option.
+(SmolLM2-135M: 28 M parameters, +21%). Benchmark code until it measures better than none
+(``results/levers.md``).
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def rotate_residual_stream(model: Any, block: int) -> Any:
             lin.bias.copy_((lin.bias.double() @ q).to(lin.bias.dtype))
 
     emb = inner.embed_tokens.weight
-    m.lm_head.weight = nn.Parameter(emb.detach().clone())  # untied: the final gamma folds into lm_head alone
+    if m.lm_head.weight.data_ptr() == emb.data_ptr():  # tied: untie, the final gamma folds into lm_head alone
+        m.lm_head.weight = nn.Parameter(emb.detach().clone())
     m.config.tie_word_embeddings = False
     emb.copy_((emb.double() @ q).to(emb.dtype))
     for layer in inner.layers:

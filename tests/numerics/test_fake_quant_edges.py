@@ -192,7 +192,9 @@ def test_fp8_uses_a_float32_scale_of_amax_over_448_whatever_the_amax_dtype_and_k
     scale = float(torch.tensor(5.3, dtype=torch.float32) / 448.0)
     ref = _fp8_ref(x, scale)
     assert np.array_equal(cfq.fake_quant_fp8(x, amax).numpy(), ref)
-    assert np.array_equal(cfq.fake_quant_fp8(x, amax.double()).numpy(), ref)  # a float64 amax: the same float32 scale
+    low = amax.bfloat16()  # a bfloat16 amax: its value, divided in float32 (not rounded to bfloat16 again)
+    low_scale = float(low.float() / 448.0)
+    assert np.array_equal(cfq.fake_quant_fp8(x, low).numpy(), _fp8_ref(x, low_scale))
     half = cfq.fake_quant_fp8(x.bfloat16(), amax)
     assert half.dtype == torch.bfloat16
     assert torch.equal(half, torch.from_numpy(_fp8_ref(x.bfloat16(), scale)).bfloat16())
