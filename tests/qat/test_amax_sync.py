@@ -31,6 +31,21 @@ def _model(rank: int, mismatch: bool) -> nn.Module:
     return m
 
 
+def _tensor_parallel(rank: int) -> dict:
+    """Layer 0 as a column-parallel shard (modelopt's parallel state names a 2-rank TP group): its per-channel
+    amax holds this rank's output channels and must stay; the per-tensor amaxes are still synced."""
+    from modelopt.torch.utils.distributed import ParallelState
+
+    from nemo_fp4qat.qat.calibration import sync_amax_across_ranks
+
+    m = _model(rank, mismatch=False)
+    m[0]._parallel_state = ParallelState(data_parallel_group=None, tensor_parallel_group=None)  # None: the world
+    before = {n: q.amax.clone() for n, q in m.named_modules() if hasattr(q, "_amax") and q.amax is not None}
+    n = sync_amax_across_ranks(m)
+    after = {n: q.amax.clone() for n, q in m.named_modules() if hasattr(q, "_amax") and q.amax is not None}
+    return {"n": n, "before": before, "after": after}
+
+
 def _worker(rank: int, init: str, mode: str, out: dict) -> None:
     from nemo_fp4qat.qat.calibration import sync_amax_across_ranks
 
@@ -45,7 +60,8 @@ def _worker(rank: int, init: str, mode: str, out: dict) -> None:
             out[rank] = {"error": str(e)}
             return
         after = {n: q.amax.clone() for n, q in m.named_modules() if hasattr(q, "_amax") and q.amax is not None}
-        out[rank] = {"n": n, "before": before, "after": after}
+        out[rank] = {"n": n, "before": before, "after": after, "tp": _tensor_parallel(rank),
+                     "empty": sync_amax_across_ranks(nn.Linear(2, 2))}  # fmt: skip
     finally:
         dist.destroy_process_group()
 
@@ -70,9 +86,15 @@ def _run(tmp_path, mode):
         return {0: out[0], 1: shared[1]}
 
 
-def test_amax_becomes_the_max_over_ranks_per_tensor_and_per_channel(tmp_path):
+@pytest.fixture(scope="module")
+def same(tmp_path_factory):
+    """One two-rank run of the ranks holding the same quantizers (its results serve several tests)."""
     pytest.importorskip("modelopt")
-    res = _run(tmp_path, "same")
+    return _run(tmp_path_factory.mktemp("same"), "same")
+
+
+def test_amax_becomes_the_max_over_ranks_per_tensor_and_per_channel(same):
+    res = same
     r0, r1 = res[0], res[1]
     assert r0["n"] == r1["n"] == len(r0["before"]) == 3  # layer 0 weight, layer 1 weight and input
     for name in r0["before"]:
@@ -80,6 +102,29 @@ def test_amax_becomes_the_max_over_ranks_per_tensor_and_per_channel(tmp_path):
         assert not torch.equal(r0["before"][name], r1["before"][name])  # the ranks really differed
         assert torch.equal(r0["after"][name], expect) and torch.equal(r1["after"][name], expect)
     assert r0["before"]["0.weight_quantizer"].numel() == 8  # per-channel amax took part too
+    assert r0["empty"] == r1["empty"] == 0  # nothing to sync: no collective, nothing counted
+
+
+def test_a_tensor_parallel_shards_per_channel_amax_stays_and_its_per_tensor_ones_are_synced(same):
+    t0, t1 = same[0]["tp"], same[1]["tp"]
+    assert t0["n"] == t1["n"] == 2  # layer 1's weight and input; not layer 0's per-channel weight amax
+    for t in (t0, t1):
+        assert torch.equal(t["after"]["0.weight_quantizer"], t["before"]["0.weight_quantizer"])
+    for name in ("1.weight_quantizer", "1.input_quantizer"):
+        expect = torch.maximum(t0["before"][name], t1["before"][name])
+        assert torch.equal(t0["after"][name], expect) and torch.equal(t1["after"][name], expect)
+
+
+def test_without_a_process_group_the_sync_is_a_no_op():
+    pytest.importorskip("modelopt")
+    from nemo_fp4qat.qat.calibration import sync_amax_across_ranks
+
+    assert not dist.is_initialized()
+    m = _model(0, mismatch=False)
+    before = [q.amax.clone() for q in m.modules() if getattr(q, "_amax", None) is not None]
+    assert sync_amax_across_ranks(m) == 0
+    assert all(torch.equal(a, q.amax) for a, q in zip(before, [q for q in m.modules() if getattr(q, "_amax", None)
+                                                                 is not None], strict=True))  # fmt: skip
 
 
 def test_ranks_with_different_quantizers_get_an_error_naming_the_cause(tmp_path):
@@ -87,4 +132,11 @@ def test_ranks_with_different_quantizers_get_an_error_naming_the_cause(tmp_path)
     res = _run(tmp_path, "mismatch")
     for r in (0, 1):
         assert "hold different quantizer amax buffers" in res[r]["error"]
-        assert "same policy and schedule" in res[r]["error"]
+        assert res[r]["error"].endswith(
+            "Every rank must prepare and calibrate the same model with the same policy and schedule."
+        )
+    # rank 1 lost layer 1's input amax: the message counts the buffers and names the one that differs
+    assert res[0]["error"].startswith(
+        "Rank 0 and rank 1 of its group hold different quantizer amax buffers (3 vs 2; first differences "
+        "[('1.input_quantizer', ())])."
+    )

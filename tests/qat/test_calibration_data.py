@@ -4,6 +4,8 @@ amax computed here in float64."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.nn as nn
@@ -67,8 +69,10 @@ def test_dict_and_pair_batches_keep_their_structure_and_are_cut_together():
     (lst,) = collect_batches([[x, y]], 2)
     assert isinstance(lst, list) and torch.equal(lst[1], y[:2])
     # the row count of a dict is its first tensor with a dimension (a leading scalar does not count)
-    (d,) = collect_batches([{"scale": torch.tensor(2.0), "x": x}], 1)
-    assert d["x"].shape == (1, 3) and torch.equal(d["scale"], torch.tensor(2.0))
+    (d,) = collect_batches([{"scale": torch.tensor(2.0), "x": x}], 3)
+    assert d["x"].shape == (3, 3) and torch.equal(d["scale"], torch.tensor(2.0))
+    out = collect_batches([torch.tensor(1.0), torch.tensor(2.0), torch.tensor(3.0)], 2)
+    assert [float(t) for t in out] == [1.0, 2.0]  # a 0-d batch is one row
     out = collect_batches([{"meta": "no tensor"}, {"meta": "again"}], 2)
     assert len(out) == 2  # a batch without a tensor counts as one row
 
@@ -81,7 +85,7 @@ def test_kept_batches_are_detached_copies_on_the_cpu():
 
 
 def test_no_batch_at_all_is_an_error_that_says_so():
-    with pytest.raises(ValueError, match="Calibration data is empty: the dataloader yielded no batch"):
+    with pytest.raises(ValueError, match=r"^Calibration data is empty: the dataloader yielded no batch\.$"):
         collect_batches(iter([]), 4)
 
 
@@ -105,6 +109,12 @@ def test_default_forward_feeds_dicts_as_keywords_pairs_by_their_input_and_tensor
     (a, kw, _), (b, _, _), (c, _, _), (d, _, _) = m.calls
     assert a is None and kw["input_ids"] is x
     assert b is x and c is x and d is x
+
+
+def test_a_model_without_parameters_is_fed_on_the_cpu():
+    seen = []
+    forward_batches(nn.ReLU(), [torch.randn(2, 3)], lambda m, b: seen.append(m(b).device))
+    assert seen == [torch.device("cpu")]
 
 
 def test_forward_batches_runs_every_batch_without_gradients():
@@ -131,6 +141,9 @@ def test_max_calibration_sets_each_amax_to_the_max_magnitude_seen():
     for name, want in expect.items():
         got = dict(m.named_modules())[name].amax.double()
         assert torch.allclose(got, want, rtol=1e-6), name
+    max_weight_amax = m[0].weight_quantizer.amax.clone()
+    run_calibration(m, batches, "mse")  # the algorithm asked for runs, not modelopt's default
+    assert not torch.equal(m[0].weight_quantizer.amax, max_weight_amax)
     # layer 2's input went through layer 0 as calibrated: FP8-quantized; its amax is within FP8's rounding
     got2 = m[2].input_quantizer.amax.double()
     assert torch.allclose(got2, hidden.abs().max(), rtol=0.07)
@@ -153,15 +166,25 @@ def test_bad_calibration_fields_are_refused_with_the_value(fields, message):
         CalibrationConfig(**{"num_samples": 128, **fields})
 
 
-def test_sample_counts_outside_100_to_500_warn_and_inside_do_not(recwarn):
+def test_sample_counts_outside_100_to_500_warn_at_the_callers_line_and_inside_do_not(recwarn):
     for n in (100, 256, 500):
         CalibrationConfig(num_samples=n)
     assert not [w for w in recwarn if "representative samples" in str(w.message)]
-    for n in (99, 501):
-        with pytest.warns(UserWarning, match=f"Calibrating on {n} samples; 100-500"):
+    for n in (1, 99, 501):
+        message = f"^Calibrating on {n} samples; 100-500 representative samples are recommended for stable amax\\.$"
+        with pytest.warns(UserWarning, match=message) as caught:
             CalibrationConfig(num_samples=n)
+        assert caught[0].filename == __file__  # points at the line that built the config
     assert CalibrationConfig(num_samples=128, block_scale_search=True).block_scale_search is True
+    assert CalibrationConfig(num_samples=128, block_scale_search=0.5).block_scale_search == 0.5
     assert CalibrationConfig(num_samples=128, seq_len=1).seq_len == 1
+
+
+def test_smoothing_is_resolved_into_its_config():
+    from nemo_fp4qat.qat.smoothing import SmoothingConfig
+
+    assert CalibrationConfig(num_samples=128, smoothing=0.6).smoothing == SmoothingConfig(alpha=0.6)
+    assert CalibrationConfig(num_samples=128).smoothing is None
 
 
 def test_resolve_spec_reads_counts_dicts_and_configs():
@@ -171,7 +194,13 @@ def test_resolve_spec_reads_counts_dicts_and_configs():
     assert CalibrationConfig.resolve_spec(256).num_samples == 256
     got = CalibrationConfig.resolve_spec({"_target_": "x", "num_samples": 200, "seq_len": 64})
     assert (got.num_samples, got.seq_len) == (200, 64)
-    with pytest.raises(ValueError, match=r"calibration=True is not understood.*calibration=256"):
+    # any mapping (an OmegaConf DictConfig from a YAML file is one), not only a dict
+    assert CalibrationConfig.resolve_spec(types.MappingProxyType({"num_samples": 300})).num_samples == 300
+    with pytest.raises(ValueError) as info:
         CalibrationConfig.resolve_spec(True)
+    assert str(info.value) == (
+        "calibration=True is not understood; give a sample count (e.g. calibration=256), a dict of "
+        "CalibrationConfig fields (e.g. {'num_samples': 256}) or a CalibrationConfig."
+    )
     with pytest.raises(ValueError, match=r"Unknown calibration field\(s\) \['samples'\]; CalibrationConfig has"):
         CalibrationConfig.resolve_spec({"samples": 3})
