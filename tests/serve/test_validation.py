@@ -113,7 +113,8 @@ def test_chat_needs_a_template_and_top_logprobs_needs_logprobs():
     check_chat_request(True, "m", True, 5)
     e = _refusal(check_chat_request, False, "m", False, None)
     assert (e.status, e.param) == (400, "messages")
-    assert e.message.startswith("messages: the export 'm' has no chat template; use /v1/completions")
+    assert e.message == ("messages: the export 'm' has no chat template; use /v1/completions, or export with a "
+                         "tokenizer that carries one")  # fmt: skip
     for top in (0, 3):  # 0 is a value too: it still asks for logprobs
         e = _refusal(check_chat_request, True, "m", False, top)
         assert (e.status, e.param, e.message) == (422, "top_logprobs", "top_logprobs: requires logprobs: true")
@@ -165,6 +166,7 @@ def test_a_body_at_the_limit_reaches_the_app_whole_and_one_byte_more_is_refused(
     assert r.json() == {"error": {"message": "body: request body exceeds max_body_bytes 10; send a smaller request",
                                   "type": "invalid_request_error", "param": "body"}}  # fmt: skip
     assert metrics.rejected_body == 1 and metrics.errors == {413: 1}
+    assert r.headers["content-type"] == "application/json"
 
 
 def test_a_chunked_body_is_measured_as_it_streams_in_and_replayed_to_the_app_in_full():
@@ -183,11 +185,56 @@ def test_a_chunked_body_is_measured_as_it_streams_in_and_replayed_to_the_app_in_
     assert r.status_code == 413 and metrics.rejected_body == 1
 
 
-def test_a_declared_length_over_the_limit_is_refused_before_the_body_is_read():
-    seen: list[dict] = []
+def _raw(limit: int, incoming: list[dict], app_reads: int) -> tuple[list[dict], list[dict], list]:
+    """The middleware over an app that reads ``app_reads`` messages, fed ``incoming`` by hand (what a server's
+    ``receive`` returns, in order): (what the app received, what went back to the client, the sends the app got)."""
+    got: list[dict] = []
+    sends: list = []
 
-    async def inner(scope, receive, send):  # the app behind the middleware: must not be reached
-        seen.append(scope)
+    async def app(scope, receive, send):
+        sends.append(send)
+        for _ in range(app_reads):
+            got.append(await receive())
+
+    queue = list(incoming)
+
+    async def receive():
+        return queue.pop(0)
+
+    sent: list[dict] = []
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(BodySizeLimit(app, limit, Metrics())({"type": "http", "headers": []}, receive, send))
+    return got, sent, sends
+
+
+def test_a_message_without_more_body_ends_the_body():
+    got, sent, _ = _raw(10, [{"type": "http.request", "body": b"abc"}], 1)  # ASGI: more_body defaults to false
+    assert got == [{"type": "http.request", "body": b"abc"}] and not sent
+
+
+def test_after_the_body_the_app_receives_from_the_server_again():
+    """Once the buffered body is replayed, ``receive`` is the server's: a disconnect reaches the app."""
+    incoming = [{"type": "http.request", "body": b"ab", "more_body": True}, {"type": "http.request", "body": b"c"},
+                {"type": "http.disconnect"}]  # fmt: skip
+    got, _, _ = _raw(10, incoming, 3)
+    assert got == incoming
+
+
+def test_a_client_gone_before_its_body_ended_is_still_handed_to_the_app():
+    """The app sees the disconnect (and answers nothing), as it would without the middleware."""
+    incoming = [{"type": "http.request", "body": b"ab", "more_body": True}, {"type": "http.disconnect"}]
+    got, sent, _ = _raw(10, incoming, 2)
+    assert got == incoming and not sent
+
+
+def test_a_declared_length_over_the_limit_is_refused_before_the_body_is_read():
+    seen: list[tuple] = []
+
+    async def inner(scope, receive, send):  # the app behind the middleware
+        seen.append((scope, receive, send))
 
     limit = BodySizeLimit(inner, 10, Metrics())
     sent: list[dict] = []
@@ -201,6 +248,7 @@ def test_a_declared_length_over_the_limit_is_refused_before_the_body_is_read():
     scope = {"type": "http", "headers": [(b"content-length", b"11")]}
     asyncio.run(limit(scope, receive, send))
     assert sent[0]["status"] == 413 and not seen
+    assert dict(sent[0]["headers"])[b"content-type"] == b"application/json"
     lifespan = {"type": "lifespan"}
     asyncio.run(limit(lifespan, receive, send))  # not HTTP: passed to the app untouched
-    assert seen == [lifespan]
+    assert seen == [(lifespan, receive, send)]
