@@ -235,3 +235,83 @@ def test_data_parallel_ranks_clip_alike(tmp_path):
         assert torch.equal(v, r1[k]), k
         assert torch.equal(v, alone.state_dict()[k]), k
     assert any(not torch.equal(v, rank0_alone.state_dict()[k]) for k, v in r0.items())  # the sums mattered
+
+
+def test_small_block_scales_reach_the_smallest_e4m3_codes():
+    """Blocks far below the tensor's max get scale codes among E4M3's subnormals (down to code 1): the search
+    goes there too, and still matches the float64 brute force."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(4, 96, generator=g) * 1e-3
+    w[0, 0] = 100.0  # the tensor max: global scale 100 / 2688, so 1e-3 blocks sit at codes 1-3
+    clipped, summary = search_nvfp4_block_clip(w, w.abs().amax(), 16, 0.05)
+    max_rule, best = _reference_block_errors(w, 0.05, None)
+    np.testing.assert_allclose(_export_block_errors(clipped, w, None), best, rtol=1e-5, atol=1e-15)
+    assert summary.clipped == (best < max_rule * (1 - 1e-9)).sum() > 0
+
+
+def test_an_unusable_amax_leaves_the_weight_as_it_is_and_reports_no_clip():
+    from nemo_fp4qat.qat.block_scale_search import BlockClip
+
+    w = _weight(3, 4, 5)
+    for weight, amax in ((torch.zeros(3, 64), torch.tensor(0.0)), (w, torch.tensor(float("inf"))),
+                         (w, torch.tensor(float("nan")))):  # fmt: skip
+        clipped, summary = search_nvfp4_block_clip(weight, amax)
+        assert torch.equal(clipped, weight) and clipped is not weight
+        assert summary == BlockClip(blocks=12, clipped=0, error_max_rule=0.0, error_searched=0.0)
+
+
+def test_the_amax_given_is_the_one_searched_with_and_none_means_the_weights_own():
+    w = _weight(4, 4, 6)
+    own, _ = search_nvfp4_block_clip(w, w.abs().amax(), 16)
+    assert torch.equal(search_nvfp4_block_clip(w, None)[0], own)  # also: block 16 is the default
+    assert torch.equal(search_nvfp4_block_clip(w, w.abs().amax())[0], own)
+    wider, _ = search_nvfp4_block_clip(w, w.abs().amax() * 3)
+    assert not torch.equal(wider, own)  # another global scale: other block scales
+
+
+def test_a_nan_weight_does_not_move_its_blocks_scale():
+    w = _weight(2, 3, 7)
+    bad = w.clone()
+    bad[0, 3] = float("nan")
+    zero = w.clone()
+    zero[0, 3] = 0.0
+    got, _ = search_nvfp4_block_clip(bad, w.abs().amax())
+    ref, _ = search_nvfp4_block_clip(zero, w.abs().amax())
+    assert torch.isnan(got[0, 3])
+    got[0, 3] = 0.0
+    assert torch.equal(got, ref)
+
+
+def test_rows_that_end_in_a_partial_block_are_searched_as_zero_padded():
+    w = _weight(3, 3, 8)[:, :40]  # 2.5 blocks per row
+    padded = torch.nn.functional.pad(w, (0, 8))
+    got, _ = search_nvfp4_block_clip(w, w.abs().amax())
+    ref, _ = search_nvfp4_block_clip(padded, w.abs().amax())
+    assert got.shape == w.shape and torch.equal(got, ref[:, :40])
+
+
+def test_an_uncalibrated_nvfp4_layer_is_skipped_and_the_rest_are_clipped():
+    from nemo_fp4qat.qat.block_scale_search import clip_nvfp4_weights
+
+    _, model = _calibrated(False)
+    mods = dict(model.named_modules())
+    first = "model.layers.0.mlp.gate_proj"  # the first NVFP4 layer in module order
+    mods[first].weight_quantizer.reset_amax()
+    before = mods[first].weight.detach().clone()
+    found = clip_nvfp4_weights(model)
+    mlp = {n for n in mods if n.endswith(("gate_proj", "up_proj", "down_proj"))}
+    assert set(found) == mlp - {first}
+    assert torch.equal(mods[first].weight.detach(), before)
+
+
+def test_input_moments_are_each_layers_mean_square_over_every_batch_for_the_layers_asked():
+    from nemo_fp4qat.qat.block_scale_search import input_second_moments
+
+    _, model = _calibrated(False)
+    batches = [b[:, : 4 + 3 * i] for i, b in enumerate(_batches())]  # batches of different token counts
+    wanted = {"model.layers.1.mlp.down_proj", "model.layers.0.mlp.up_proj"}
+    got = input_second_moments(model, batches, lambda m, b: m(b), modules=wanted)
+    assert set(got) == wanted
+    ref = _input_mean_squares(model, wanted, batches)
+    for n in wanted:
+        torch.testing.assert_close(got[n], ref[n].float(), rtol=1e-6, atol=0)
