@@ -256,7 +256,8 @@ def recheck_survivors(results: dict[str, dict], names: list[str], max_children: 
             raise SystemExit(f"{old['module']} changed since its full run: its mutant names now denote other "
                              "mutations, so its survivors cannot be re-checked by name; run a full run "
                              f"(--only {name})")  # fmt: skip
-        keys = [m["mutant"] for m in old["mutants"] if m["status"] in ("survived", "no tests")]
+        # "not checked": left by a re-check whose clean test run failed (its mutants never ran)
+        keys = [m["mutant"] for m in old["mutants"] if m["status"] in ("survived", "no tests", "not checked")]
         print(f"re-checking {len(keys)} survivors of {name} ...", flush=True)
         new = {m["mutant"]: m for m in run_mutmut(name, max_children, only=keys)["mutants"]}
         old["mutants"] = [new.get(m.get("mutant"), m) for m in old["mutants"]]

@@ -86,15 +86,10 @@ def _run(tmp_path, mode):
         return {0: out[0], 1: shared[1]}
 
 
-@pytest.fixture(scope="module")
-def same(tmp_path_factory):
-    """One two-rank run of the ranks holding the same quantizers (its results serve several tests)."""
+def test_amax_becomes_the_max_over_ranks_and_a_tensor_parallel_shard_keeps_its_channels(tmp_path):
+    """One two-rank run (the sync runs inside the test itself, where mutmut attributes what it reaches)."""
     pytest.importorskip("modelopt")
-    return _run(tmp_path_factory.mktemp("same"), "same")
-
-
-def test_amax_becomes_the_max_over_ranks_per_tensor_and_per_channel(same):
-    res = same
+    res = _run(tmp_path, "same")
     r0, r1 = res[0], res[1]
     assert r0["n"] == r1["n"] == len(r0["before"]) == 3  # layer 0 weight, layer 1 weight and input
     for name in r0["before"]:
@@ -103,11 +98,9 @@ def test_amax_becomes_the_max_over_ranks_per_tensor_and_per_channel(same):
         assert torch.equal(r0["after"][name], expect) and torch.equal(r1["after"][name], expect)
     assert r0["before"]["0.weight_quantizer"].numel() == 8  # per-channel amax took part too
     assert r0["empty"] == r1["empty"] == 0  # nothing to sync: no collective, nothing counted
-
-
-def test_a_tensor_parallel_shards_per_channel_amax_stays_and_its_per_tensor_ones_are_synced(same):
-    t0, t1 = same[0]["tp"], same[1]["tp"]
-    assert t0["n"] == t1["n"] == 2  # layer 1's weight and input; not layer 0's per-channel weight amax
+    # layer 0 as a tensor-parallel shard: its per-channel amax stays, the per-tensor ones are synced
+    t0, t1 = r0["tp"], r1["tp"]
+    assert t0["n"] == t1["n"] == 2
     for t in (t0, t1):
         assert torch.equal(t["after"]["0.weight_quantizer"], t["before"]["0.weight_quantizer"])
     for name in ("1.weight_quantizer", "1.input_quantizer"):
