@@ -28,7 +28,9 @@ because every FastAPI route is decorated.
 The two-rank gloo test of the amax sync runs rank 0 in the test process, where mutmut sees which functions
 a test reaches (it records that in the test process alone) and where the mutant is active; rank 1 is a
 spawned interpreter that imports the unmutated package: a mutated rank against a correct peer, whose wrong
-result, error or hang (the collectives time out) fails the test.
+result, error or hang (the collectives time out) fails the test. The ranks run inside the test function, not in a
+module-scoped fixture: mutmut attributes a function to the tests whose call reaches it, and work done in a
+shared fixture was attributed to no test that checked it (the tensor-parallel mutants survived that way).
 
 The tests run with one thread (``OMP_NUM_THREADS=1``): mutmut forks each mutant's test process from a
 parent that already ran the tests, and GNU OpenMP's thread pool does not survive a fork, so before this every

@@ -253,8 +253,8 @@ def test_an_unusable_amax_leaves_the_weight_as_it_is_and_reports_no_clip():
     from nemo_fp4qat.qat.block_scale_search import BlockClip
 
     w = _weight(3, 4, 5)
-    for weight, amax in ((torch.zeros(3, 64), torch.tensor(0.0)), (w, torch.tensor(float("inf"))),
-                         (w, torch.tensor(float("nan")))):  # fmt: skip
+    for weight, amax in ((torch.zeros(3, 64), torch.tensor(0.0)), (w, torch.tensor(0.0)),
+                         (w, torch.tensor(float("inf"))), (w, torch.tensor(float("nan")))):  # fmt: skip
         clipped, summary = search_nvfp4_block_clip(weight, amax)
         assert torch.equal(clipped, weight) and clipped is not weight
         assert summary == BlockClip(blocks=12, clipped=0, error_max_rule=0.0, error_searched=0.0)
@@ -270,16 +270,39 @@ def test_the_amax_given_is_the_one_searched_with_and_none_means_the_weights_own(
 
 
 def test_a_nan_weight_does_not_move_its_blocks_scale():
+    """A NaN counts as 0 in its block's search: the block is clipped as if the NaN were 0 (the NaN itself stays)."""
     w = _weight(2, 3, 7)
-    bad = w.clone()
-    bad[0, 3] = float("nan")
-    zero = w.clone()
-    zero[0, 3] = 0.0
-    got, _ = search_nvfp4_block_clip(bad, w.abs().amax())
-    ref, _ = search_nvfp4_block_clip(zero, w.abs().amax())
-    assert torch.isnan(got[0, 3])
-    got[0, 3] = 0.0
-    assert torch.equal(got, ref)
+    amax = w.abs().amax()
+    ref, _ = search_nvfp4_block_clip(w, amax)
+    changed = (ref != w).reshape(2, 3, 16).any(-1).nonzero()[0].tolist()  # a block the search clipped
+    r, b = changed
+    blk = w[r, 16 * b : 16 * b + 16].abs()
+    i = 16 * b + int(blk.argmin())  # its smallest element (not the clipped max) becomes NaN
+    bad, zero = w.clone(), w.clone()
+    bad[r, i], zero[r, i] = float("nan"), 0.0
+    got, _ = search_nvfp4_block_clip(bad, amax)
+    want, _ = search_nvfp4_block_clip(zero, amax)
+    assert torch.isnan(got[r, i])
+    got[r, i] = 0.0
+    assert torch.equal(got, want) and not torch.equal(want[r, 16 * b : 16 * b + 16], zero[r, 16 * b : 16 * b + 16])
+
+
+def test_a_block_whose_best_scale_is_the_smallest_e4m3_code_gets_it():
+    """E4M3's smallest subnormal (code 1) is a candidate: a block exact at that scale, whose max sits in a channel
+    the layer's input never uses (error weight ~0), is best clipped from code 2 down to code 1."""
+    w = torch.randn(2, 32, generator=torch.Generator().manual_seed(12)) * 0.01
+    w[1, 0] = 100.0  # the tensor max, in another block: global scale 100 / 2688
+    gs = float(np.float32(np.float32(100.0) / np.float32(6 * 448)))
+    s1 = 2.0**-9 * gs  # code 1 times the global scale (exact: a power of two)
+    w[0, :16] = torch.tensor([0.5, 1.5, 3.0, -0.5, -1.5, -3.0, 0.5, 1.5, 3.0, 1.0, 0.5, 1.5, 3.0, 2.0, 4.0, 12.0]) * s1
+    cw = torch.ones(32)
+    cw[15] = 1e-9
+    clipped, summary = search_nvfp4_block_clip(w, w.abs().amax(), 16, 0.25, cw)
+    max_rule, best = _reference_block_errors(w, 0.25, cw)
+    assert best[0, 0] < max_rule[0, 0] * 1e-3  # the brute force's best: code 1 (the block exact there)
+    np.testing.assert_allclose(_export_block_errors(clipped, w, cw), best, rtol=1e-5, atol=1e-30)
+    assert (best < max_rule * (1 - 1e-9)).sum() == summary.clipped
+    assert float(clipped[0, 15]) == float(np.float32(6 * s1))  # clipped to code 1's largest value
 
 
 def test_rows_that_end_in_a_partial_block_are_searched_as_zero_padded():
