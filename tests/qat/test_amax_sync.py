@@ -32,18 +32,26 @@ def _model(rank: int, mismatch: bool) -> nn.Module:
 
 
 def _tensor_parallel(rank: int) -> dict:
-    """Layer 0 as a column-parallel shard (modelopt's parallel state names a 2-rank TP group): its per-channel
-    amax holds this rank's output channels and must stay; the per-tensor amaxes are still synced."""
+    """Both layers as tensor-parallel shards (modelopt's parallel state names a 2-rank TP group): layer 0's
+    per-channel amax holds this rank's output channels and must stay; layer 1's per-tensor amaxes are synced.
+    Then with a TP group of one rank (TP size 1: every rank holds every channel) all three are synced."""
     from modelopt.torch.utils.distributed import ParallelState
 
     from nemo_fp4qat.qat.calibration import sync_amax_across_ranks
 
+    def amaxes(m):
+        return {n: q.amax.clone() for n, q in m.named_modules() if hasattr(q, "_amax") and q.amax is not None}
+
     m = _model(rank, mismatch=False)
-    m[0]._parallel_state = ParallelState(data_parallel_group=None, tensor_parallel_group=None)  # None: the world
-    before = {n: q.amax.clone() for n, q in m.named_modules() if hasattr(q, "_amax") and q.amax is not None}
+    for layer in m:
+        layer._parallel_state = ParallelState(data_parallel_group=None, tensor_parallel_group=None)  # None: world
+    before = amaxes(m)
     n = sync_amax_across_ranks(m)
-    after = {n: q.amax.clone() for n, q in m.named_modules() if hasattr(q, "_amax") and q.amax is not None}
-    return {"n": n, "before": before, "after": after}
+    singles = [dist.new_group([r]) for r in range(2)]  # every rank creates every group, in the same order
+    one = _model(rank, mismatch=False)
+    for layer in one:
+        layer._parallel_state = ParallelState(data_parallel_group=None, tensor_parallel_group=singles[rank])
+    return {"n": n, "before": before, "after": amaxes(m), "n_tp1": sync_amax_across_ranks(one)}
 
 
 def _worker(rank: int, init: str, mode: str, out: dict) -> None:
@@ -101,6 +109,7 @@ def test_amax_becomes_the_max_over_ranks_and_a_tensor_parallel_shard_keeps_its_c
     # layer 0 as a tensor-parallel shard: its per-channel amax stays, the per-tensor ones are synced
     t0, t1 = r0["tp"], r1["tp"]
     assert t0["n"] == t1["n"] == 2
+    assert t0["n_tp1"] == t1["n_tp1"] == 3  # a TP group of one rank shards nothing: all three synced
     for t in (t0, t1):
         assert torch.equal(t["after"]["0.weight_quantizer"], t["before"]["0.weight_quantizer"])
     for name in ("1.weight_quantizer", "1.input_quantizer"):
