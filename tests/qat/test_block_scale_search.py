@@ -212,23 +212,29 @@ def test_data_parallel_ranks_clip_alike(tmp_path):
     drift apart): the input moments are summed over the ranks, as one process calibrating on both ranks'
     batches measures them. Rank 0 runs in the test process (where mutation testing sees and mutates the code),
     rank 1 is spawned."""
+    import torch.distributed as dist
     import torch.multiprocessing as mp
 
     init = f"file://{tmp_path / 'store'}"
+    # rank 0 here unless this process already holds a process group (NeMo's tests leave one): then both spawned
+    here = not dist.is_initialized()
     with mp.Manager() as manager:
         shared = manager.dict()
-        peer = mp.get_context("spawn").Process(target=_dp_worker, args=(1, init, shared))
-        peer.start()
-        out: dict = {}
+        ctx = mp.get_context("spawn")
+        peers = [ctx.Process(target=_dp_worker, args=(r, init, shared)) for r in ((1,) if here else (0, 1))]
+        for p in peers:
+            p.start()
         try:
-            _dp_worker(0, init, out)
+            if here:
+                _dp_worker(0, init, shared)
         finally:
-            peer.join(timeout=300)
-            if peer.is_alive():
-                peer.kill()
-                pytest.fail("rank 1 hung")
-        assert peer.exitcode == 0, f"rank 1 exited with {peer.exitcode}"
-        r0, r1 = out[0], dict(shared[1])
+            for p in peers:
+                p.join(timeout=300)
+                if p.is_alive():
+                    p.kill()
+                    pytest.fail("a rank hung")
+        assert all(p.exitcode == 0 for p in peers), [p.exitcode for p in peers]
+        r0, r1 = dict(shared[0]), dict(shared[1])
     _, alone = _calibrated(True)  # one process, every batch
     _, rank0_alone = _calibrated(True, batches=_batches()[0::2])
     for k, v in r0.items():
