@@ -7,7 +7,8 @@ in ``QAD_LEVERS`` the demo's QAD stage (KL to the fine-tune, direct schedule, ``
 activation smoothing folded into the norms / ``up_proj`` rows (``nemo_fp4qat.qat.smoothing``) at its
 sites and strengths, minimum-error NVFP4 weight block scales applied as a weight clip
 (``nemo_fp4qat.qat.block_scale_search``), and FP8 instead of NVFP4 MLP activations (policy
-``nvfp4_w4a8``, same weight bits). Gap to BF16 = ppl / ppl(fine-tune) - 1; recovery against plain
+``nvfp4_w4a8``, same weight bits), and an offline block-Hadamard rotation of the residual stream
+(``residual_rotation``, PTQ only). Gap to BF16 = ppl / ppl(fine-tune) - 1; recovery against plain
 max-calibrated PTQ of the default policy and against the same lever's own PTQ.
 
 Run: ``.venv-core/bin/python benchmarks/bench_levers.py [--quick]`` (about 25 minutes on 2 cores),

@@ -11,8 +11,8 @@ values the quantizers see move: a Hadamard ``Q`` spreads each channel's outliers
 ``Q`` is block-diagonal: Sylvester Hadamard blocks of ``block`` channels (16 = one NVFP4 block, so each block's
 values are mixed among themselves only; 64 mixes four). Plain model code: the exported checkpoint is a normal
 Llama with untied embeddings (``tie_word_embeddings`` false), which costs one more vocab x hidden matrix
-(SmolLM2-135M: 28 M parameters, +21%). Benchmark code until it measures better than none
-(``results/levers.md``).
+(SmolLM2-135M: 28 M parameters, +21%). Benchmark code, not a product option: on the demo model it made NVFP4
+PTQ much worse than none at both block sizes measured (``results/levers.md``).
 """
 
 from __future__ import annotations
