@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from accuracy_data import load_accuracy_data
-from common import RESULTS_DIR, machine, pyplot, save_figure, write_result
+from common import RESULTS_DIR, machine, pyplot, rerender, save_figure, write_result
 
 from nemo_fp4qat import FP4QATCallback
 from nemo_fp4qat.demo.pipeline import DemoConfig, _train
@@ -114,9 +114,7 @@ def main() -> None:
                     "merge them into levers.json; the other rows are kept as measured")  # fmt: skip
     args = ap.parse_args()
     if args.render:
-        d = json.loads((RESULTS_DIR / "levers.json").read_text())
-        write_result("levers", render(d), d)
-        plot(d, RESULTS_DIR / "levers.png")
+        rerender("levers", render, plot)
         return
     cfg = DemoConfig.quick() if args.quick else DemoConfig()
     out = Path("runs/bench_levers")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 import modelopt.torch.quantization as mtq
 from accuracy_data import load_accuracy_data
 from bench_levers import qad_served
-from common import RESULTS_DIR, machine, pyplot, save_figure, write_result
+from common import RESULTS_DIR, machine, pyplot, rerender, save_figure, write_result
 from tqdm import tqdm
 
 from nemo_fp4qat.demo.pipeline import DemoConfig, _train
@@ -62,9 +61,7 @@ def main() -> None:
     ap.add_argument("--render", action="store_true", help="only rewrite mc.md / .png from mc.json")
     args = ap.parse_args()
     if args.render:
-        d = json.loads((RESULTS_DIR / "mc.json").read_text())
-        write_result("mc", render(d), d)
-        plot(d, RESULTS_DIR / "mc.png")
+        rerender("mc", render, plot)
         return
     cfg = DemoConfig.quick() if args.quick else DemoConfig()
     n_tasks = 16 if args.quick else args.tasks

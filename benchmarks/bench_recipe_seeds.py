@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 from pathlib import Path
 
 from accuracy_data import load_accuracy_data
 from bench_levers import qad_row
-from common import RESULTS_DIR, machine, write_result
+from common import machine, rerender, write_result
 
 from nemo_fp4qat.demo.pipeline import DemoConfig, _train
 from nemo_fp4qat.eval.gate import recovery
@@ -35,8 +34,7 @@ def main() -> None:
     ap.add_argument("--render", action="store_true", help="only rewrite recipe_seeds.md from recipe_seeds.json")
     args = ap.parse_args()
     if args.render:
-        d = json.loads((RESULTS_DIR / "recipe_seeds.json").read_text())
-        write_result("recipe_seeds", render(d), d)
+        rerender("recipe_seeds", render)
         return
     recipe = DemoConfig()
     levers = {"none": (None, False), "recipe": (recipe.smoothing, recipe.block_scale_search)}

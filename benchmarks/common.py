@@ -46,6 +46,14 @@ def write_result(name: str, markdown: str, data: dict) -> None:
     (RESULTS_DIR / f"{name}.json").write_text(json.dumps(data, indent=1))
 
 
+def rerender(name: str, render: Callable[[dict], str], plot: Callable[[dict, Path], None] | None = None) -> None:
+    """``--render``: rewrite results/<name>.md (and its PNG) from the committed <name>.json, measuring nothing."""
+    data = json.loads((RESULTS_DIR / f"{name}.json").read_text())
+    write_result(name, render(data), data)
+    if plot is not None:
+        plot(data, RESULTS_DIR / f"{name}.png")
+
+
 def alternating_worker_runs(script: str, variants: list[str], rounds: int) -> dict[str, list[dict]]:
     """Run ``script --worker VARIANT`` in a fresh process per run, variants alternating over ``rounds``
     (so drift of the machine hits every variant alike); each run's last stdout line is its JSON result."""

@@ -8,8 +8,8 @@ import datetime
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
+from two_ranks import run_two_ranks
 
 
 def _model(rank: int, mismatch: bool) -> nn.Module:
@@ -31,6 +31,10 @@ def _model(rank: int, mismatch: bool) -> nn.Module:
     return m
 
 
+def _amaxes(m: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: q.amax.clone() for n, q in m.named_modules() if getattr(q, "_amax", None) is not None}
+
+
 def _tensor_parallel(rank: int) -> dict:
     """Both layers as tensor-parallel shards (modelopt's parallel state names a 2-rank TP group): layer 0's
     per-channel amax holds this rank's output channels and must stay; layer 1's per-tensor amaxes are synced.
@@ -39,19 +43,16 @@ def _tensor_parallel(rank: int) -> dict:
 
     from nemo_fp4qat.qat.calibration import sync_amax_across_ranks
 
-    def amaxes(m):
-        return {n: q.amax.clone() for n, q in m.named_modules() if hasattr(q, "_amax") and q.amax is not None}
-
     m = _model(rank, mismatch=False)
     for layer in m:
         layer._parallel_state = ParallelState(data_parallel_group=None, tensor_parallel_group=None)  # None: world
-    before = amaxes(m)
+    before = _amaxes(m)
     n = sync_amax_across_ranks(m)
     singles = [dist.new_group([r]) for r in range(2)]  # every rank creates every group, in the same order
     one = _model(rank, mismatch=False)
     for layer in one:
         layer._parallel_state = ParallelState(data_parallel_group=None, tensor_parallel_group=singles[rank])
-    return {"n": n, "before": before, "after": amaxes(m), "n_tp1": sync_amax_across_ranks(one)}
+    return {"n": n, "before": before, "after": _amaxes(m), "n_tp1": sync_amax_across_ranks(one)}
 
 
 def _worker(rank: int, init: str, mode: str, out: dict) -> None:
@@ -61,37 +62,20 @@ def _worker(rank: int, init: str, mode: str, out: dict) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
     try:
         m = _model(rank, mismatch=(mode == "mismatch"))
-        before = {n: q.amax.clone() for n, q in m.named_modules() if hasattr(q, "_amax") and q.amax is not None}
+        before = _amaxes(m)
         try:
             n = sync_amax_across_ranks(m)
         except RuntimeError as e:
             out[rank] = {"error": str(e)}
             return
-        after = {n: q.amax.clone() for n, q in m.named_modules() if hasattr(q, "_amax") and q.amax is not None}
-        out[rank] = {"n": n, "before": before, "after": after, "tp": _tensor_parallel(rank),
+        out[rank] = {"n": n, "before": before, "after": _amaxes(m), "tp": _tensor_parallel(rank),
                      "empty": sync_amax_across_ranks(nn.Linear(2, 2))}  # fmt: skip
     finally:
         dist.destroy_process_group()
 
 
 def _run(tmp_path, mode):
-    """Rank 0 in this process, rank 1 spawned: the sync's code runs in the test process too, where coverage
-    and mutation tools (mutmut learns per test which functions it reaches) can see it."""
-    init = f"file://{tmp_path / 'store'}"
-    with mp.Manager() as manager:  # shut down on exit: an unreferenced Manager's process outlives the test
-        shared = manager.dict()
-        peer = mp.get_context("spawn").Process(target=_worker, args=(1, init, mode, shared))
-        peer.start()
-        out: dict = {}
-        try:
-            _worker(0, init, mode, out)
-        finally:
-            peer.join(timeout=300)  # a broken sync hangs in the collective: fail instead of waiting forever
-            if peer.is_alive():
-                peer.kill()
-                pytest.fail("rank 1 hung in the amax sync")
-        assert peer.exitcode == 0, f"rank 1 exited with {peer.exitcode}"
-        return {0: out[0], 1: shared[1]}
+    return run_two_ranks(_worker, f"file://{tmp_path / 'store'}", mode)
 
 
 def test_amax_becomes_the_max_over_ranks_and_a_tensor_parallel_shard_keeps_its_channels(tmp_path):
@@ -123,10 +107,10 @@ def test_without_a_process_group_the_sync_is_a_no_op():
 
     assert not dist.is_initialized()
     m = _model(0, mismatch=False)
-    before = [q.amax.clone() for q in m.modules() if getattr(q, "_amax", None) is not None]
+    before = _amaxes(m)
     assert sync_amax_across_ranks(m) == 0
-    assert all(torch.equal(a, q.amax) for a, q in zip(before, [q for q in m.modules() if getattr(q, "_amax", None)
-                                                                 is not None], strict=True))  # fmt: skip
+    after = _amaxes(m)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_ranks_with_different_quantizers_get_an_error_naming_the_cause(tmp_path):

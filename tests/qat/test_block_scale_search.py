@@ -13,6 +13,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+from two_ranks import run_two_ranks
 
 from nemo_fp4qat import QATController
 from nemo_fp4qat.numerics.cpu_shims import modelopt_export_on_cpu
@@ -210,31 +211,9 @@ def _dp_worker(rank: int, init: str, out: dict) -> None:
 def test_data_parallel_ranks_clip_alike(tmp_path):
     """Two gloo ranks calibrating on different batches must clip their replicas identically (else the replicas
     drift apart): the input moments are summed over the ranks, as one process calibrating on both ranks'
-    batches measures them. Rank 0 runs in the test process (where mutation testing sees and mutates the code),
-    rank 1 is spawned."""
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-
-    init = f"file://{tmp_path / 'store'}"
-    # rank 0 here unless this process already holds a process group (NeMo's tests leave one): then both spawned
-    here = not dist.is_initialized()
-    with mp.Manager() as manager:
-        shared = manager.dict()
-        ctx = mp.get_context("spawn")
-        peers = [ctx.Process(target=_dp_worker, args=(r, init, shared)) for r in ((1,) if here else (0, 1))]
-        for p in peers:
-            p.start()
-        try:
-            if here:
-                _dp_worker(0, init, shared)
-        finally:
-            for p in peers:
-                p.join(timeout=300)
-                if p.is_alive():
-                    p.kill()
-                    pytest.fail("a rank hung")
-        assert all(p.exitcode == 0 for p in peers), [p.exitcode for p in peers]
-        r0, r1 = dict(shared[0]), dict(shared[1])
+    batches measures them (rank 0 in the test process: tests/two_ranks.py)."""
+    res = run_two_ranks(_dp_worker, f"file://{tmp_path / 'store'}")
+    r0, r1 = res[0], res[1]
     _, alone = _calibrated(True)  # one process, every batch
     _, rank0_alone = _calibrated(True, batches=_batches()[0::2])
     for k, v in r0.items():
