@@ -1,17 +1,18 @@
 """Where a CPU QAT step's time goes (#21), per op, beside a full-precision step of the same model.
 
 Same model, batch and optimizer as ``bench_training_overhead.py`` (megatron-style GPT 4x256, batch
-8x128, AdamW, NVFP4 weights and inputs on every linear but the output layer). Each variant runs in its
-own process; inside it, timers wrap (for this process only) the pieces a QAT step is made of:
+8x128, AdamW, NVFP4 weights and inputs on every linear but the output layer). The full-precision and the QAT
+model take turns step by step in one process (separate processes spread a step's time by 20-40% on a shared
+machine, more than the difference measured here); timers wrap the pieces a QAT step is made of:
 
-* ``weight fake quant`` / ``input fake quant``: modelopt ``TensorQuantizer.forward`` of weight and input
-  quantizers, inclusive; split into
+* ``weight fake quant`` / ``input fake quant``: modelopt ``TensorQuantizer._fake_quantize`` of weight and
+  input quantizers, inclusive (what ``TensorQuantizer.forward`` calls after its state checks); split into
   * ``kernel``: the fake-quant op itself (``tensor_quant.dynamic_block_quantize_op``, our C kernel on a CPU),
   * ``amax``: ``TensorQuantizer._get_amax`` (reading the static amax, or computing a dynamic one),
   * ``dispatch``: the rest, modelopt's Python around the op (autograd function, checks, attribute reads);
-* ``forward`` / ``backward`` / ``optimizer``: the phases of the Lightning step (forward includes the fake
-  quant above; backward includes the straight-through estimator);
-* ``other``: the remainder of the step (Lightning's loop, callbacks).
+* ``forward`` / ``backward`` / ``optimizer``: the phases of the step (``training_step``, ``loss.backward()``,
+  ``AdamW.step()``; forward includes the fake quant above, backward the straight-through estimator);
+* ``other``: the remainder of the step (``zero_grad``).
 
 Timers are ``time.perf_counter`` pairs (the CPU runs ops synchronously); their own cost (about a microsecond
 per call) is included, so the dispatch column is an upper bound. Writes ``results/qat_step_profile.{md,json}``.
@@ -34,82 +35,85 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 STEPS, WARMUP, ROUNDS = 30, 5, 3
 
 
-def _timed(acc: dict[str, float], key_fn, fn):
+def _timed(acc: dict[str, dict[str, float]], current: list[str], key_fn, fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         t = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            acc[key_fn(args)] += time.perf_counter() - t
+            acc[current[0]][key_fn(args)] += time.perf_counter() - t
 
     return wrapper
 
 
-def worker(variant: str) -> dict:
-    import lightning.pytorch as pl
+def worker() -> dict:
+    """The full-precision and the QAT model taking turns step by step in this process; ms per step per part."""
+    import copy
+
     import torch
     from modelopt.torch.quantization import tensor_quant
     from modelopt.torch.quantization.nn.modules.tensor_quantizer import TensorQuantizer
 
-    from nemo_fp4qat import FP4QATCallback
+    from nemo_fp4qat import QATController
 
     from tiny_models import LitLM, MegatronStyleGPT, loader
 
-    acc: dict[str, float] = collections.defaultdict(float)
-    counting = [False]
+    acc: dict[str, dict[str, float]] = {
+        "fp32": collections.defaultdict(float),
+        "nvfp4_qat": collections.defaultdict(float),
+    }
+    current = ["fp32"]
 
     def kind(args) -> str:
         return getattr(args[0], "_profile_kind", "other")
 
-    if variant == "nvfp4_qat":
-        # the op is looked up on tensor_quant at call time (how the CPU backend plugs in too)
-        op = tensor_quant.dynamic_block_quantize_op
-        tensor_quant.dynamic_block_quantize_op = _timed(acc, lambda a: "kernel", op)
-        TensorQuantizer.forward = _timed(acc, lambda a: f"{kind(a)} fake quant", TensorQuantizer.forward)
-        TensorQuantizer._get_amax = _timed(acc, lambda a: "amax", TensorQuantizer._get_amax)
+    # the op is looked up on tensor_quant at call time (how the CPU backend plugs in too); the fp32 model has no
+    # quantizers, so these timers run in the QAT steps only
+    op = tensor_quant.dynamic_block_quantize_op
+    tensor_quant.dynamic_block_quantize_op = _timed(acc, current, lambda a: "kernel", op)
+    TensorQuantizer._fake_quantize = _timed(
+        acc, current, lambda a: f"{kind(a)} fake quant", TensorQuantizer._fake_quantize
+    )
+    TensorQuantizer._get_amax = _timed(acc, current, lambda a: "amax", TensorQuantizer._get_amax)
 
     torch.manual_seed(0)
-    lit = LitLM(MegatronStyleGPT(hidden=256, layers=4), lr=1e-4)
-    marks: dict[str, float] = {}
-
-    class Phases(pl.Callback):
-        def on_train_batch_start(self, trainer, pl_module, *a):
-            counting[0] = trainer.global_step >= WARMUP
-            if counting[0] and not marks.get("kinds_set"):
-                for name, m in pl_module.named_modules():
-                    if isinstance(m, TensorQuantizer):
-                        m._profile_kind = "weight" if name.endswith("weight_quantizer") else "input"
-                marks["kinds_set"] = 1.0
-                acc.clear()
-            marks["start"] = time.perf_counter()
-
-        def on_before_backward(self, *a):
-            marks["bwd"] = time.perf_counter()
-
-        def on_after_backward(self, *a):
-            marks["bwd_end"] = time.perf_counter()
-
-        def on_before_optimizer_step(self, *a):
-            marks["opt"] = time.perf_counter()
-
-        def on_train_batch_end(self, *a):
-            if not counting[0]:
-                return
-            end = time.perf_counter()
-            acc["step"] += end - marks["start"]
-            acc["forward"] += marks["bwd"] - marks["start"]
-            acc["backward"] += marks["bwd_end"] - marks["bwd"]
-            acc["optimizer"] += end - marks["opt"]
-
-    cbs: list = [Phases()]
-    if variant != "fp32":
-        cbs.insert(0, FP4QATCallback(policy="fp_embeddings", schedule="direct", calibration=32))
-    trainer = pl.Trainer(max_steps=STEPS + WARMUP, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=cbs)  # fmt: skip
-    trainer.fit(lit, loader(n=(STEPS + WARMUP) * 8, seq_len=128, batch_size=8))
-    per_step = {k: v / STEPS * 1e3 for k, v in acc.items()}  # ms per step
-    return per_step
+    fp32 = LitLM(MegatronStyleGPT(hidden=256, layers=4), lr=1e-4)
+    qat = copy.deepcopy(fp32)
+    batches = list(loader(n=(STEPS + WARMUP) * 8, seq_len=128, batch_size=8))
+    # what FP4QATCallback does before the first step, with the benchmark's settings
+    ctl = QATController(policy="fp_embeddings", schedule="direct", calibration=32, forward_fn=lambda m, b: m(b))
+    ctl.prepare(qat.net)
+    ctl.calibrate(qat.net, batches[:4])
+    ctl.step(qat.net, 0)
+    for name, m in qat.named_modules():
+        if isinstance(m, TensorQuantizer):
+            m._profile_kind = "weight" if name.endswith("weight_quantizer") else "input"
+    models = {"fp32": fp32, "nvfp4_qat": qat}
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
+    for lit in models.values():
+        lit.log = lambda *a, **k: None  # no trainer to log to
+    for i, batch in enumerate(batches):
+        if i == WARMUP:
+            for a in acc.values():
+                a.clear()
+        for name in list(models)[i % 2 :] + list(models)[: i % 2]:  # each goes first in turn
+            current[0] = name
+            lit, opt, a = models[name], opts[name], acc[name]
+            t0 = time.perf_counter()
+            loss = lit.training_step(batch, i)
+            t1 = time.perf_counter()
+            opt.zero_grad()
+            t1b = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            opt.step()
+            t3 = time.perf_counter()
+            a["forward"] += t1 - t0
+            a["backward"] += t2 - t1b
+            a["optimizer"] += t3 - t2
+            a["step"] += t3 - t0
+    return {v: {k: t / STEPS * 1e3 for k, t in a.items()} for v, a in acc.items()}  # ms per step
 
 
 ROWS = [
@@ -120,32 +124,36 @@ ROWS = [
     ("kernel", "    of which the fake-quant op (C kernel)"),
     ("amax", "    of which amax reads"),
     ("dispatch", "    of which modelopt's Python around the op"),
+    ("forward rest", "  rest of the forward's difference (modelopt's module and quantizer forwards around it, GEMMs)"),
     ("backward", "backward (incl. straight-through)"),
     ("optimizer", "optimizer step"),
-    ("other", "rest of the step (loop, callbacks)"),
+    ("other", "rest of the step (zero_grad)"),
 ]
 
 
 def main() -> dict:
     from common import alternating_worker_runs, machine, write_result
 
-    runs = alternating_worker_runs(__file__, ["fp32", "nvfp4_qat"], ROUNDS)
+    rounds = alternating_worker_runs(__file__, ["side_by_side"], ROUNDS)["side_by_side"]
+    runs = {v: [r[v] for r in rounds] for v in ("fp32", "nvfp4_qat")}
     med: dict[str, dict[str, float]] = {}
+    for r in rounds:  # derived parts per process, then medians (a difference of medians can go below zero)
+        f, q = r["fp32"], r["nvfp4_qat"]
+        q["dispatch"] = q["weight fake quant"] + q["input fake quant"] - q["kernel"] - q.get("amax", 0.0)
+        q["forward rest"] = q["forward"] - f["forward"] - q["weight fake quant"] - q["input fake quant"]
+        for m in (f, q):
+            m["other"] = m["step"] - m["forward"] - m["backward"] - m["optimizer"]
     for v, rs in runs.items():
         keys = set().union(*rs)
         med[v] = {k: statistics.median(r.get(k, 0.0) for r in rs) for k in keys}
-        m = med[v]
-        if "kernel" in m:
-            m["dispatch"] = m["weight fake quant"] + m["input fake quant"] - m["kernel"] - m.get("amax", 0.0)
-        m["other"] = m["step"] - m["forward"] - m["backward"] - m["optimizer"]
     f, q = med["fp32"], med["nvfp4_qat"]
     lines = [
         "## Per-op profile of a CPU QAT step (`benchmarks/profile_qat_step.py`)",
         "",
         f"Machine: {machine()}. Megatron-style GPT 4x256, batch 8x128, AdamW, NVFP4 weights and inputs on 16 "
-        f"linears; {STEPS} steps after {WARMUP} warm-up, median of {ROUNDS} alternating processes, ms per step. "
-        "Timers wrap modelopt's `TensorQuantizer.forward`, `_get_amax` and the fake-quant op in the profiled "
-        "process only.",
+        f"linears; the two models take turns step by step in one process, {STEPS} steps each after {WARMUP} "
+        f"warm-up; median of {ROUNDS} processes, ms per step. Timers wrap modelopt's `TensorQuantizer._fake_quantize`, "
+        "`_get_amax` and the fake-quant op (called in the QAT steps only).",
         "",
         "| part | fp32 (ms) | NVFP4 QAT (ms) | QAT - fp32 (ms) |",
         "|---|---:|---:|---:|",
@@ -164,6 +172,6 @@ def main() -> dict:
 
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
-        print(json.dumps(worker(sys.argv[2])))
+        print(json.dumps(worker()))
     else:
         main()
