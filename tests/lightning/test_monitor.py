@@ -227,6 +227,20 @@ def test_an_inf_clipped_by_the_fake_quant_is_still_reported_with_layer_and_step(
     assert not [f for f in off.findings if f.problem == "nonfinite"], "without the check, step 3 passes unseen"
 
 
+def test_an_inf_on_the_last_measured_step_is_reported_once(tmp_path):
+    """The end-of-training analysis reads weights only; it does not report the last measured step's inputs again
+    (as a second finding at another step), and the report still shows them in the final table."""
+    lit = LitLM(MegatronStyleGPT(seed=5), lr=1e-4)
+    mon = QuantizationMonitor(every_n_steps=2, out_dir=str(tmp_path))
+    pl.Trainer(max_steps=5, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+               enable_model_summary=False, callbacks=[FP4QATCallback(policy="fp_embeddings", calibration=16), mon,
+               InjectInf(step=4)]).fit(lit, loader())  # fmt: skip
+    hits = [(f.layer, f.step, f.metric) for f in mon.findings if f.problem == "nonfinite"]
+    assert hits == [(LAYER, 4, "input_nonfinite")]
+    final = mon.records[-1]
+    assert final["final"] and final["step"] == 5 and final["layers"][LAYER]["input_nonfinite"] == 1
+
+
 def test_finite_inputs_whose_sum_overflows_are_not_reported_as_nonfinite(tmp_path):
     """The every-step check reads one sum per input; a sum that overflows on finite values is recounted."""
     lit = LitLM(MegatronStyleGPT(seed=5), lr=1e-4)
