@@ -63,30 +63,13 @@ def worker(variant: str) -> dict:
 
 def interleaved_worker() -> dict:
     """fp32 and QAT steps taking turns in one process; per-step times."""
-    import copy
+    from common import step_overhead_pair
 
-    import torch
-
-    from nemo_fp4qat import QATController
-
-    from tiny_models import LitLM, MegatronStyleGPT, loader
-
-    torch.manual_seed(0)
-    fp32 = LitLM(MegatronStyleGPT(hidden=256, layers=4), lr=1e-4)
-    qat = copy.deepcopy(fp32)
-    batches = list(loader(n=(STEPS + WARMUP) * 8, seq_len=128, batch_size=8))
-    # what FP4QATCallback does before the first step, with the benchmark's settings
-    ctl = QATController(policy="fp_embeddings", schedule="direct", calibration=32, forward_fn=lambda m, b: m(b))
-    ctl.prepare(qat.net)
-    ctl.calibrate(qat.net, batches[:4])
-    ctl.step(qat.net, 0)
-    models = {"fp32": fp32, "nvfp4_qat": qat}
-    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
+    models, opts, batches = step_overhead_pair(STEPS + WARMUP)
     times: dict[str, list[float]] = {k: [] for k in models}
 
-    def step(name: str, batch: torch.Tensor, i: int) -> None:
+    def step(name: str, batch, i: int) -> None:
         lit, opt = models[name], opts[name]
-        lit.log = lambda *a, **k: None  # no trainer to log to
         loss = lit.training_step(batch, i)
         opt.zero_grad()
         loss.backward()

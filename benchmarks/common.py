@@ -65,6 +65,33 @@ def alternating_worker_runs(script: str, variants: list[str], rounds: int) -> di
     return runs
 
 
+def step_overhead_pair(n_batches: int) -> tuple[dict, dict, list]:
+    """The CPU step-overhead benchmark's two models (megatron-style GPT 4x256 in a ``LitLM``, same init): full
+    precision and NVFP4 QAT prepared as ``FP4QATCallback`` does before the first step (policy ``fp_embeddings``,
+    direct, 32 calibration samples), an AdamW each, and ``n_batches`` batches of 8x128 tokens. For measuring the
+    two side by side in one process (``tests/`` must be on ``sys.path`` for ``tiny_models``)."""
+    import copy
+
+    import torch
+
+    from nemo_fp4qat import QATController
+
+    from tiny_models import LitLM, MegatronStyleGPT, loader
+
+    torch.manual_seed(0)
+    fp32 = LitLM(MegatronStyleGPT(hidden=256, layers=4), lr=1e-4)
+    qat = copy.deepcopy(fp32)
+    batches = list(loader(n=n_batches * 8, seq_len=128, batch_size=8))
+    ctl = QATController(policy="fp_embeddings", schedule="direct", calibration=32, forward_fn=lambda m, b: m(b))
+    ctl.prepare(qat.net)
+    ctl.calibrate(qat.net, batches[:4])
+    ctl.step(qat.net, 0)
+    models = {"fp32": fp32, "nvfp4_qat": qat}
+    for lit in models.values():
+        lit.log = lambda *a, **k: None  # no trainer to log to
+    return models, {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}, batches
+
+
 def pyplot():
     """matplotlib's pyplot on the file-only Agg backend (benchmarks run headless and only write PNGs)."""
     import matplotlib

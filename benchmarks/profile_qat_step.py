@@ -49,15 +49,9 @@ def _timed(acc: dict[str, dict[str, float]], current: list[str], key_fn, fn):
 
 def worker() -> dict:
     """The full-precision and the QAT model taking turns step by step in this process; ms per step per part."""
-    import copy
-
-    import torch
+    from common import step_overhead_pair
     from modelopt.torch.quantization import tensor_quant
     from modelopt.torch.quantization.nn.modules.tensor_quantizer import TensorQuantizer
-
-    from nemo_fp4qat import QATController
-
-    from tiny_models import LitLM, MegatronStyleGPT, loader
 
     acc: dict[str, dict[str, float]] = {
         "fp32": collections.defaultdict(float),
@@ -77,22 +71,11 @@ def worker() -> dict:
     )
     TensorQuantizer._get_amax = _timed(acc, current, lambda a: "amax", TensorQuantizer._get_amax)
 
-    torch.manual_seed(0)
-    fp32 = LitLM(MegatronStyleGPT(hidden=256, layers=4), lr=1e-4)
-    qat = copy.deepcopy(fp32)
-    batches = list(loader(n=(STEPS + WARMUP) * 8, seq_len=128, batch_size=8))
-    # what FP4QATCallback does before the first step, with the benchmark's settings
-    ctl = QATController(policy="fp_embeddings", schedule="direct", calibration=32, forward_fn=lambda m, b: m(b))
-    ctl.prepare(qat.net)
-    ctl.calibrate(qat.net, batches[:4])
-    ctl.step(qat.net, 0)
+    models, opts, batches = step_overhead_pair(STEPS + WARMUP)
+    qat = models["nvfp4_qat"]
     for name, m in qat.named_modules():
         if isinstance(m, TensorQuantizer):
             m._profile_kind = "weight" if name.endswith("weight_quantizer") else "input"
-    models = {"fp32": fp32, "nvfp4_qat": qat}
-    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
-    for lit in models.values():
-        lit.log = lambda *a, **k: None  # no trainer to log to
     for i, batch in enumerate(batches):
         if i == WARMUP:
             for a in acc.values():
