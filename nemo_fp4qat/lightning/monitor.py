@@ -73,7 +73,6 @@ class QuantizationMonitor(pl.Callback):
         self.records: list[dict[str, Any]] = []  # one per measurement: step, stage label, per-layer metrics
         self._calib_amax: dict[str, dict[str, float | None]] = {}
         self._input_errs: dict[str, dict[str, float]] = {}
-        self._input_errs_step: int | None = None  # the step whose forward filled _input_errs
         self._hooks: list[Any] = []
         self._loss_mean: float | None = None
         self._last_switch: int | None = None
@@ -171,7 +170,7 @@ class QuantizationMonitor(pl.Callback):
             self._snapshot_amax(self._module(pl_module))  # amax was recalibrated at the switch
         self._measure_now = switched or trainer.global_step % self.every_n_steps == 0
         if self._measure_now:
-            self._input_errs, self._input_errs_step = {}, trainer.global_step
+            self._input_errs = {}
             self._install_input_hooks(self._module(pl_module))
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -228,10 +227,9 @@ class QuantizationMonitor(pl.Callback):
         th = self.thresholds
         metrics: dict[str, float] = {}
         for name, rec in layers.items():
-            if name in self._input_errs:
-                rec["input_rel_err"] = self._input_errs[name]["rel_err"]
-                rec["input_sqnr_db"] = self._input_errs[name]["sqnr_db"]
-                rec["input_nonfinite"] = self._input_errs[name]["nonfinite"]
+            e = self._input_errs.get(name, {})
+            inputs = {f"input_{k}": e[k] for k in ("rel_err", "sqnr_db", "nonfinite") if k in e}
+            rec.update(inputs)
             base = self._calib_amax.get(name, {})
             for kind in ("weight", "input"):
                 a0, a = base.get(kind), rec.get(f"{kind}_amax")
@@ -240,10 +238,9 @@ class QuantizationMonitor(pl.Callback):
             for k, v in rec.items():
                 if isinstance(v, (int, float)) and v is not None and math.isfinite(float(v)):
                     metrics[f"quant/{name}/{k}"] = float(v)
-            if self._input_errs_step != step:  # inputs of an earlier step (the end-of-training analysis): shown
-                # in the record, but their findings were made at their own step
-                rec = {k: v for k, v in rec.items() if k not in ("input_rel_err", "input_sqnr_db", "input_nonfinite")}
-            self._check(trainer, step, name, rec, th)
+            # the end-of-training analysis runs no forward: the inputs it shows are the last measured step's, whose
+            # findings were made at that step
+            self._check(trainer, step, name, {k: v for k, v in rec.items() if k not in inputs} if final else rec, th)
         # what a measurement costs (the budget: under 5 s per switch on the demo's SmolLM2)
         seconds = time.perf_counter() - t0
         self.records.append({"step": step, "stage": self._stage_label(trainer), "final": final, "seconds": seconds,
