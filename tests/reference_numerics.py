@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import torch
 
 FORMATS = {(2, 1), (2, 3), (3, 2), (4, 3)}
 
@@ -126,3 +127,25 @@ def nvfp4_ref(x: np.ndarray, amax: float, block: int = 16) -> np.ndarray:
     y = np.where(blocks >= 0, q, -q)
     y = np.where(np.isnan(blocks), np.nan, y)
     return y.reshape(rows.shape)[:, :n].reshape(shape)
+
+
+def tie_blocks(element: tuple[int, int], block: int, dtype: torch.dtype) -> torch.Tensor:
+    """Blocks whose scale is exactly 1 (each starts with the format's largest value) holding every
+    midpoint between neighbouring values (exact ties) and, in float32, the floats either side of them,
+    in both signs; only values the dtype holds exactly."""
+    vals = minifloat_values(*element)
+    mids = (vals[:-1] + vals[1:]) / 2
+    probes = np.concatenate(
+        [mids, np.nextafter(mids.astype(np.float32), 0), np.nextafter(mids.astype(np.float32), 1e9)]
+    )
+    probes = np.concatenate([probes, -probes]).astype(np.float32)
+    t = torch.from_numpy(probes)
+    t = t[t.to(dtype).float() == t]  # exactly representable in the input dtype
+    per = block - 1
+    n_blocks = -(-len(t) // per)
+    rows = torch.zeros(n_blocks, block)
+    rows[:, 0] = float(vals[-1])  # block amax = the largest value: scale 1
+    body = torch.zeros(n_blocks * per)
+    body[: len(t)] = t
+    rows[:, 1:] = body.view(n_blocks, per)
+    return rows.to(dtype)

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from ..numerics.cpu_backend import set_cuda_nvfp4_kernel
 from ..qat.calibration import collect_batches
 from ..qat.config import QATConfig
 from ..qat.controller import QATController
@@ -68,6 +69,8 @@ class FP4QATCallback(pl.Callback):
             :func:`nemo_fp4qat.export.export_checkpoint` (validated, atomic).
         export: :class:`~nemo_fp4qat.export.ExportConfig` or dict (kind ``"hf"``/``"trtllm"``,
             runtime, tensor_parallel ...); default: a unified HF checkpoint for TensorRT-LLM.
+        cuda_nvfp4_kernel: ``"exact"`` (default: NVFP4 on CUDA tensors rounds as the exporter does) or
+            ``"modelopt"`` (modelopt's own Triton kernel); set process-wide when the callback is set up.
     """
 
     def __init__(
@@ -83,6 +86,7 @@ class FP4QATCallback(pl.Callback):
         distillation: Any = QATConfig.distillation,
         export_dir: str | None = QATConfig.export_dir,
         export: Any = QATConfig.export,
+        cuda_nvfp4_kernel: str = QATConfig.cuda_nvfp4_kernel,
     ) -> None:
         super().__init__()
         self.config = QATConfig(
@@ -94,6 +98,7 @@ class FP4QATCallback(pl.Callback):
             log_every_n_steps=log_every_n_steps,
             export_dir=export_dir,
             export=export,
+            cuda_nvfp4_kernel=cuda_nvfp4_kernel,
         )
         self.controller = QATController(
             policy=policy,
@@ -205,6 +210,7 @@ class FP4QATCallback(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        set_cuda_nvfp4_kernel(self.config.cuda_nvfp4_kernel)
         if self.controller.total_steps is None and trainer.max_steps and trainer.max_steps > 0:
             self.controller.total_steps = int(trainer.max_steps)
 

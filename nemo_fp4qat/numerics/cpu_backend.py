@@ -5,7 +5,7 @@ quantizers) calls the module-level ``tensor_quant.dynamic_block_quantize_op`` at
 that one op: a CPU input goes to our kernel, anything else goes to modelopt's original op. Because
 only the op is replaced, modelopt's own autograd function still decides the backward pass, so the
 straight-through estimator is exactly the installed version's (clipped STE by default in 0.37,
-pass-through in 0.47). CUDA tensors never reach our code.
+pass-through in 0.47). CUDA tensors: see below.
 
 On modelopt >= 0.47 we also register a named backend (``cfg["backend"] = "nemo_fp4qat_cpu"``) with
 ``register_quant_backend`` for users who want to select it explicitly in a quant config.
@@ -15,13 +15,22 @@ FP8 (E4M3, per tensor or per channel) is not CUDA-only, but modelopt's eager CPU
 is wrapped the same way and computes with the exported scale (:func:`~.cpu_fake_quant.fake_quant_fp8`),
 so a CPU-trained FP8 layer exports to exactly the weights it trained with.
 
+CUDA tensors: NVFP4 goes to :func:`~.triton_nvfp4.triton_nvfp4` by default, a Triton kernel that
+rounds exactly as modelopt's exporter (``NVFP4QTensor``) does, so what QAT trains on a GPU is what
+the exported checkpoint runs (modelopt's own Triton kernel divides approximately and differs from its
+exporter by a whole FP4 step on elements next to a rounding boundary). Only the op is replaced here
+too, so the straight-through estimator stays modelopt's. ``set_cuda_nvfp4_kernel("modelopt")``
+(``QATConfig(cuda_nvfp4_kernel="modelopt")``, or ``NEMO_FP4QAT_CUDA_NVFP4=modelopt``) goes back to
+modelopt's kernel; every other format on CUDA is always modelopt's.
+
 The hook is installed when ``nemo_fp4qat`` is imported; set ``NEMO_FP4QAT_CPU_BACKEND=0`` to opt
-out, or call :func:`uninstall_cpu_backend`.
+out (CPU and CUDA routing both), or call :func:`uninstall_cpu_backend`.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from typing import Any
 
@@ -31,14 +40,87 @@ from .fake_quant import CPU_BLOCK_FORMATS, fake_quant_block, fake_quant_fp8
 
 __all__ = [
     "BACKEND_NAME",
+    "CUDA_NVFP4_KERNELS",
     "cpu_backend_installed",
+    "cuda_nvfp4_kernel",
     "install_cpu_backend",
+    "set_cuda_nvfp4_kernel",
     "uninstall_cpu_backend",
 ]
 
 BACKEND_NAME = "nemo_fp4qat_cpu"
 _ORIGINAL_OP: Any = None
 _ORIGINAL_FP8: Any = None
+log = logging.getLogger("nemo_fp4qat")
+
+# NVFP4 fake quant of CUDA tensors: "exact" (the export path's rounding, Triton) or "modelopt" (its own kernel).
+CUDA_NVFP4_KERNELS = ("exact", "modelopt")
+_CUDA_NVFP4_KERNEL: str | None = None  # None: from NEMO_FP4QAT_CUDA_NVFP4 (default "exact")
+_NVFP4_OP_BITS = (4, 2, 8, 4)  # (num_bits, exponent_bits, scale_num_bits, scale_exponent_bits) of NVFP4
+
+
+def _check_kernel_name(name: str, source: str) -> str:
+    if name not in CUDA_NVFP4_KERNELS:
+        raise ValueError(
+            f"{source}={name!r} is not a CUDA NVFP4 kernel; use one of {list(CUDA_NVFP4_KERNELS)}: 'exact' trains "
+            "with the exporter's rounding (train = deploy), 'modelopt' with modelopt's own Triton kernel."
+        )
+    return name
+
+
+def cuda_nvfp4_kernel() -> str:
+    """The NVFP4 fake-quant kernel CUDA tensors use now: ``"exact"`` (default) or ``"modelopt"``."""
+    if _CUDA_NVFP4_KERNEL is not None:
+        return _CUDA_NVFP4_KERNEL
+    return _check_kernel_name(os.environ.get("NEMO_FP4QAT_CUDA_NVFP4", "exact"), "NEMO_FP4QAT_CUDA_NVFP4")
+
+
+def set_cuda_nvfp4_kernel(name: str | None) -> str | None:
+    """Choose the NVFP4 fake-quant kernel for CUDA tensors (process-wide); returns the previous setting.
+
+    Args:
+        name: ``"exact"`` (a Triton kernel rounding as modelopt's exporter does), ``"modelopt"`` (modelopt's
+            own Triton kernel), or ``None`` to follow ``NEMO_FP4QAT_CUDA_NVFP4`` again.
+
+    Raises:
+        ValueError: ``name`` is none of those.
+
+    Example:
+        >>> previous = set_cuda_nvfp4_kernel("modelopt")  # train with modelopt's kernel on GPUs
+    """
+    global _CUDA_NVFP4_KERNEL
+    previous = _CUDA_NVFP4_KERNEL
+    _CUDA_NVFP4_KERNEL = None if name is None else _check_kernel_name(name, "cuda_nvfp4_kernel")
+    return previous
+
+
+@functools.lru_cache(maxsize=1)
+def _exact_kernel_usable() -> bool:
+    from .triton_nvfp4 import triton_available
+
+    if triton_available():
+        return True
+    log.warning("triton is not installed: NVFP4 on CUDA uses modelopt's kernel, which rounds unlike its exporter")
+    return False
+
+
+def _cuda_dynamic_block_quantize(
+    inputs: torch.Tensor,
+    block_size: int,
+    amax: torch.Tensor | None,
+    num_bits: int,
+    exponent_bits: int,
+    scale_num_bits: int,
+    scale_exponent_bits: int,
+) -> torch.Tensor:
+    """The op for a non-CPU tensor: NVFP4 through the exact kernel (unless set otherwise), the rest modelopt's."""
+    nvfp4 = (num_bits, exponent_bits, scale_num_bits, scale_exponent_bits) == _NVFP4_OP_BITS
+    if nvfp4 and cuda_nvfp4_kernel() == "exact" and _exact_kernel_usable():
+        from .triton_nvfp4 import triton_nvfp4
+
+        with torch.no_grad():
+            return triton_nvfp4(inputs.detach(), amax, block_size)
+    return _ORIGINAL_OP(inputs, block_size, amax, num_bits, exponent_bits, scale_num_bits, scale_exponent_bits)
 
 
 def _decode_bits(num_bits: int, exponent_bits: int, scale_num_bits: int, scale_exponent_bits: int):
@@ -57,8 +139,10 @@ def _cpu_dynamic_block_quantize_op(
     scale_num_bits: int,
     scale_exponent_bits: int,
 ) -> torch.Tensor:
-    if inputs.device.type != "cpu":  # CUDA: modelopt's own kernels, untouched
-        return _ORIGINAL_OP(inputs, block_size, amax, num_bits, exponent_bits, scale_num_bits, scale_exponent_bits)
+    if inputs.device.type != "cpu":
+        return _cuda_dynamic_block_quantize(
+            inputs, block_size, amax, num_bits, exponent_bits, scale_num_bits, scale_exponent_bits
+        )
     if exponent_bits == 0:
         # integer MX elements (MXINT8): modelopt has only a CUDA kernel, which would fail obscurely on a CPU tensor
         raise NotImplementedError(

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..numerics.cpu_backend import CUDA_NVFP4_KERNELS
 from .calibration import CalibrationConfig
 from .distillation import DistillationConfig
 from .policy import LayerPolicy
@@ -38,6 +39,9 @@ class QATConfig:
         log_every_n_steps: how often per-group bits are logged.
         export_dir: export the trained model there at the end of training.
         export: export options (kind, runtime, tensor_parallel ...), dict or ``ExportConfig``.
+        cuda_nvfp4_kernel: NVFP4 fake quant of CUDA tensors: ``"exact"`` (a Triton kernel that rounds as
+            modelopt's exporter does, so the trained weights are the deployed ones) or ``"modelopt"``
+            (modelopt's own Triton kernel). CPU tensors always use the exact CPU kernels.
     """
 
     policy: Any = "default"
@@ -48,12 +52,18 @@ class QATConfig:
     log_every_n_steps: int = 1
     export_dir: str | None = None
     export: Any = None
+    cuda_nvfp4_kernel: str = "exact"
 
     def __post_init__(self) -> None:
         policy = LayerPolicy.resolve_spec(self.policy)
         PrecisionSchedule.resolve_spec(self.schedule).validate_for(policy.target_format)
         CalibrationConfig.resolve_spec(self.calibration)
         DistillationConfig.resolve_spec(self.distillation)
+        if self.cuda_nvfp4_kernel not in CUDA_NVFP4_KERNELS:
+            raise ValueError(
+                f"cuda_nvfp4_kernel={self.cuda_nvfp4_kernel!r}: use one of {list(CUDA_NVFP4_KERNELS)} ('exact' trains "
+                "with the exporter's rounding, 'modelopt' with modelopt's own Triton kernel)"
+            )
         if not isinstance(self.share_fused_amax, bool):
             raise ValueError(f"share_fused_amax must be True or False, got {self.share_fused_amax!r}")
         if isinstance(self.log_every_n_steps, bool) or not isinstance(self.log_every_n_steps, int):

@@ -74,18 +74,26 @@ def test_straight_through_gradient_follows_installed_modelopt():
 
 
 def test_non_cpu_tensors_go_to_modelopts_original_op(monkeypatch):
+    """Non-CPU tensors: MX formats always, and NVFP4 when the CUDA kernel is set to modelopt's, reach modelopt's
+    own op (NVFP4 by default goes to the exact Triton kernel, tests/numerics/test_triton_nvfp4.py)."""
     seen = []
 
     def recorder(inputs, *args):
-        seen.append(inputs.device.type)
+        seen.append((inputs.device.type, args[2:]))
         return inputs
 
     monkeypatch.setattr(cpu_backend, "_ORIGINAL_OP", recorder)
-    x = torch.empty(4, 16, device="meta")
-    out = cpu_backend._cpu_dynamic_block_quantize_op(x, 16, torch.tensor(1.0), 4, 2, 8, 4)
-    assert seen == ["meta"] and out is x
+    x = torch.empty(4, 32, device="meta")
+    out = cpu_backend._cpu_dynamic_block_quantize_op(x, 32, None, 4, 2, 8, 8)
+    assert seen == [("meta", (4, 2, 8, 8))] and out is x
+    previous = cpu_backend.set_cuda_nvfp4_kernel("modelopt")
+    try:
+        out = cpu_backend._cpu_dynamic_block_quantize_op(x, 16, torch.tensor(1.0), 4, 2, 8, 4)
+    finally:
+        cpu_backend.set_cuda_nvfp4_kernel(previous)
+    assert seen[-1] == ("meta", (4, 2, 8, 4)) and out is x
     cpu_out = cpu_backend._cpu_dynamic_block_quantize_op(torch.randn(4, 16), 16, torch.tensor(1.0), 4, 2, 8, 4)
-    assert seen == ["meta"] and cpu_out.shape == (4, 16)
+    assert len(seen) == 2 and cpu_out.shape == (4, 16)
 
 
 def test_uninstall_restores_modelopt_op():

@@ -16,7 +16,7 @@ from nemo_fp4qat.numerics import fake_quant as cfq
 from nemo_fp4qat.numerics import native_kernels
 from nemo_fp4qat.numerics.cpu_shims import modelopt_export_on_cpu
 
-from reference_numerics import e8m0_exponent_ref, minifloat_values, mx_ref, nvfp4_ref, round_ref
+from reference_numerics import e8m0_exponent_ref, minifloat_values, mx_ref, nvfp4_ref, round_ref, tie_blocks
 
 ELEMENTS = [(2, 1), (2, 3), (3, 2), (4, 3)]
 
@@ -180,34 +180,12 @@ def test_nvfp4_small_scales_follow_the_cuda_kernel_not_nvfp4qtensor():
     assert torch.count_nonzero(ours) == 0 and torch.count_nonzero(export) > 0
 
 
-def _tie_blocks(element: tuple[int, int], block: int, dtype: torch.dtype) -> torch.Tensor:
-    """Blocks whose scale is exactly 1 (each starts with the format's largest value) holding every
-    midpoint between neighbouring values (exact ties) and, in float32, the floats either side of them,
-    in both signs; only values the dtype holds exactly."""
-    vals = minifloat_values(*element)
-    mids = (vals[:-1] + vals[1:]) / 2
-    probes = np.concatenate(
-        [mids, np.nextafter(mids.astype(np.float32), 0), np.nextafter(mids.astype(np.float32), 1e9)]
-    )
-    probes = np.concatenate([probes, -probes]).astype(np.float32)
-    t = torch.from_numpy(probes)
-    t = t[t.to(dtype).float() == t]  # exactly representable in the input dtype
-    per = block - 1
-    n_blocks = -(-len(t) // per)
-    rows = torch.zeros(n_blocks, block)
-    rows[:, 0] = float(vals[-1])  # block amax = the largest value: scale 1
-    body = torch.zeros(n_blocks * per)
-    body[: len(t)] = t
-    rows[:, 1:] = body.view(n_blocks, per)
-    return rows.to(dtype)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("element", ELEMENTS, ids=lambda e: f"E{e[0]}M{e[1]}")
 def test_mx_block_kernel_rounds_ties_to_even(impl, element, dtype):
     """Through the block kernel a user runs (the C one by default): every tie of every MX element
     format, in every input dtype, against the float64 reference's round-half-to-even."""
-    x = _tie_blocks(element, 32, dtype)
+    x = tie_blocks(element, 32, dtype)
     got = cfq.fake_quant_mx(x, element, 32)
     assert got.dtype == dtype
     assert _same(got.float(), mx_ref(x.float().numpy(), element, 32))
@@ -219,7 +197,7 @@ def test_nvfp4_block_kernel_rounds_ties_to_even(impl, dtype):
     reaches the rounding unchanged; checked against the float64 reference and modelopt's NVFP4QTensor."""
     from modelopt.torch.quantization.qtensor import NVFP4QTensor
 
-    x = _tie_blocks((2, 1), 16, dtype)
+    x = tie_blocks((2, 1), 16, dtype)
     got = cfq.fake_quant_nvfp4(x, torch.tensor(6.0 * 448.0), 16)
     assert got.dtype == dtype
     assert _same(got.float(), nvfp4_ref(x.float().numpy(), 6.0 * 448.0, 16))
