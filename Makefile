@@ -8,7 +8,7 @@ NEMO := .venv-nemo
 BENCH_SITE := .bench-site
 PIP_QUIET := -q --disable-pip-version-check
 
-.PHONY: demo test test-core test-nemo lint env bench bench-accuracy mutate reliability clean
+.PHONY: demo test test-core test-nemo lint env bench bench-accuracy mutate reliability gpu-wheels gpu-check clean
 
 env: $(CORE)/.stamp $(NEMO)/.stamp
 
@@ -49,7 +49,7 @@ test-core: $(CORE)/.stamp
 test-nemo: $(NEMO)/.stamp
 	NEMO_FP4QAT_REQUIRE_NEMO=1 $(NEMO)/bin/python -m pytest -q tests --ignore=tests/demo \
 		--ignore=tests/lightning/test_kill_resume.py --ignore=tests/serve --ignore=tests/eval \
-		--ignore=tests/qat/test_amax_sync.py --ignore=tests/lightning/test_ddp.py
+		--ignore=tests/qat/test_amax_sync.py --ignore=tests/lightning/test_ddp.py --ignore=tests/test_gpu_check.py
 
 # The two environments build side by side (pip is mostly single-threaded unpacking), then the suites run one
 # after the other (each uses both cores).
@@ -94,5 +94,23 @@ mutate: $(CORE)/.mutmut-stamp
 reliability: $(CORE)/.stamp $(NEMO)/.stamp
 	$(CORE)/bin/python benchmarks/bench_reliability.py --nemo-python $(NEMO)/bin/python
 
+# The GPU acceptance run (benchmarks/gpu_check.py; at most 8 minutes on one GPU, no network). Here: `make gpu-wheels`
+# downloads what it carries (requirements/gpu_check.txt, for the device's Python GPU_PYTHON); on the GPU machine,
+# with .gpu-wheels carried: `make gpu-check OUT=...`, then commit the JSON as benchmarks/results/gpu_check.json
+# and run benchmarks/render_gpu.py. `benchmarks/gpu_check.py --cpu` (in make test) rehearses it on the CPU.
+GPU_WHEELS := .gpu-wheels
+GPU_PYTHON ?= 3.12
+gpu-wheels:
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	$(PYTHON) -m pip download $(PIP_QUIET) --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d $(GPU_WHEELS) -r requirements/gpu_check.txt 2>&1 | $(QUIET_PIP)
+	$(PYTHON) -m pip download $(PIP_QUIET) --no-deps -d $(GPU_WHEELS) antlr4-python3-runtime==4.9.3 2>&1 | $(QUIET_PIP)
+	du -sh $(GPU_WHEELS)
+
+gpu-check:
+	$(PYTHON) -m pip install $(PIP_QUIET) --no-index --no-deps $(GPU_WHEELS)/* 2>&1 | $(QUIET_PIP)
+	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/gpu_check.py
+
 clean:
-	rm -rf $(CORE) $(NEMO) $(BENCH_SITE) runs .pytest_cache
+	rm -rf $(CORE) $(NEMO) $(BENCH_SITE) $(GPU_WHEELS) runs .pytest_cache

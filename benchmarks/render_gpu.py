@@ -1,15 +1,27 @@
-"""Write ``results/gpu_h200.md`` from ``results/gpu_h200.json`` (the output of one run of ``gpu_check.py``
-on a GPU machine), so every GPU figure in RESULTS.md and README.md comes from the committed JSON."""
+"""Render the GPU runs' JSON into markdown, so every GPU figure in RESULTS.md and README.md comes from a committed
+results file.
+
+* ``results/gpu_h200.json`` -> ``results/gpu_h200.md``: the first H200 check (modelopt's CUDA kernels vs the CPU
+  kernel, step overhead), kept as measured.
+* ``results/gpu_check.json`` -> ``results/gpu_check.md``: the acceptance run of ``benchmarks/gpu_check.py`` (kernel
+  parity with the exact CUDA path, QAD -> export -> validate -> perplexity, step time), when one has been run.
+
+``python benchmarks/render_gpu.py [--src JSON --dst MD]`` renders one file (the acceptance-run format).
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).parent
 SRC = HERE / "results" / "gpu_h200.json"
 DST = HERE / "results" / "gpu_h200.md"
+CHECK_SRC = HERE / "results" / "gpu_check.json"
+CHECK_DST = HERE / "results" / "gpu_check.md"
 
 
 def render(d: dict) -> str:
@@ -67,9 +79,90 @@ def render(d: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def _kernel_cell(rec: dict[str, Any]) -> str:
+    if "mismatches" in rec:
+        return f"{rec['mismatches']}"
+    return "not run" if "skipped" in rec else f"error: {rec.get('error', '?')[:60]}"
+
+
+def render_check(d: dict[str, Any]) -> str:
+    """The acceptance run (``gpu_check.py``'s JSON) as markdown."""
+    lines = [f"## GPU acceptance run: {d['device']}", "",
+             f"torch {d['torch']}, modelopt {d['modelopt']}, triton {d.get('triton')}. Written by "
+             "`benchmarks/gpu_check.py`, rendered by `benchmarks/render_gpu.py`.", ""]  # fmt: skip
+    if d.get("errors"):
+        lines += ["Sections that failed:", ""] + [f"- `{e.splitlines()[-1][:200]}`" for e in d["errors"]] + [""]
+    parity = d.get("parity") or []
+    if parity:
+        agg: dict[str, dict[str, Any]] = defaultdict(lambda: {"numel": 0, "modelopt": [], "exact": []})
+        for p in parity:
+            a = agg[p["format"]]
+            a["numel"] += p["numel"]
+            for k in ("modelopt", "exact"):
+                if k in p:
+                    a[k].append(p[k])
+
+        def total(recs: list[dict[str, Any]]) -> str:
+            if not recs:
+                return "n/a"
+            if all("mismatches" in r for r in recs):
+                return str(sum(r["mismatches"] for r in recs))
+            return _kernel_cell(next(r for r in recs if "mismatches" not in r))
+
+        lines += ["Elements that differ from the CPU kernel (which equals modelopt's exporter, `NVFP4QTensor`):", "",
+                  "| format | elements | modelopt's CUDA kernel | exact CUDA path (Triton) |",
+                  "|---|---:|---:|---:|"]  # fmt: skip
+        for fmt, a in agg.items():
+            lines.append(f"| {fmt} | {a['numel']} | {total(a['modelopt'])} | {total(a['exact'])} |")
+        lines.append("")
+    q = d.get("qad")
+    if q:
+        lines += [f"QAD of {q['model']} on {q['device']} ({q['dtype']}, {q['steps']} steps, {q['train_s']:.0f} s); "
+                  f"perplexity of the trained model {q['trained_ppl']:.3f}:", "",
+                  "| export | validated | FP4 codes compared | differing (exact kernel) | differing (modelopt's "
+                  "kernel) | perplexity on the device | on the CPU |",
+                  "|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for kind, e in q["exports"].items():
+            if "error" in e:
+                lines.append(f"| {kind} | error: {e['error'][:80]} | | | | | |")
+                continue
+            mo = e.get("fp4_codes_different_modelopt_kernel", "not run")
+            lines.append(f"| {kind} | {e['validated']} | {e['fp4_codes_compared']} | {e['fp4_codes_different_exact']} "
+                         f"| {mo} | {e['ppl_device']:.3f} | {e['ppl_cpu']:.3f} |")  # fmt: skip
+        lines.append("")
+    st = d.get("step")
+    if st:
+        lines += [f"Step time ({st['model']}, {st['dtype']}):", "",
+                  "| variant | step (ms) | / BF16 | peak memory (GiB) |", "|---|---:|---:|---:|"]  # fmt: skip
+        for v in ("bf16", "qat_exact", "qat_modelopt"):
+            r = st.get(v, {})
+            if "step_s" not in r:
+                lines.append(f"| {v} | not run | | |")
+                continue
+            ratio = st.get(f"step_ratio_{v}", 1.0)
+            mem = f"{r['peak_mem_gib']:.2f}" if "peak_mem_gib" in r else "n/a"
+            lines.append(f"| {v} | {1e3 * r['step_s']:.1f} | {ratio:.2f} | {mem} |")
+        lines.append("")
+    if d.get("nemo", {}).get("skipped"):
+        lines += [f"NeMo path: not run here ({d['nemo']['skipped']}).", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Render the GPU runs' JSON into markdown.")
+    p.add_argument("--src", type=Path, help="an acceptance run's gpu_check.json")
+    p.add_argument("--dst", type=Path, help="where its markdown goes")
+    args = p.parse_args(argv)
+    if args.src is not None:
+        dst = args.dst or args.src.with_suffix(".md")
+        dst.write_text(render_check(json.loads(args.src.read_text())))
+        print(f"wrote {dst}")
+        return
     DST.write_text(render(json.loads(SRC.read_text())))
     print(f"wrote {DST}")
+    if CHECK_SRC.is_file():
+        CHECK_DST.write_text(render_check(json.loads(CHECK_SRC.read_text())))
+        print(f"wrote {CHECK_DST}")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 
-def tiny_gpt(tp: int = 1, devices: int = 1, seq_length: int = 32) -> tuple[Any, Any]:
-    """(model, data): 2 layers, hidden 64, an untied output layer (as NeMo's Llama configs), dropout off so
+def tiny_gpt(tp: int = 1, devices: int = 1, seq_length: int = 32, pp: int = 1) -> tuple[Any, Any]:
+    """(model, data): global batch 2 (micro-batch 1 under pipeline parallelism: two microbatches), 2 layers,
+    hidden 64, an untied output layer (as NeMo's Llama configs), dropout off so
     resumed runs can be compared loss for loss, fusions off (CPU)."""
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -39,7 +40,9 @@ def tiny_gpt(tp: int = 1, devices: int = 1, seq_length: int = 32) -> tuple[Any, 
             self.data_sampler.prev_consumed_samples = state["consumed_samples"]
             self.data_sampler.if_first_step = 1
 
-    data = ResumableMockDataModule(seq_length=seq_length, global_batch_size=2, micro_batch_size=2 * tp // devices,
+    data_parallel = devices // (tp * pp)
+    micro_batch = 1 if pp > 1 else 2 // data_parallel
+    data = ResumableMockDataModule(seq_length=seq_length, global_batch_size=2, micro_batch_size=micro_batch,
                                    num_workers=0, pin_memory=False, tokenizer=ByteLevelTokenizer(),
                                    create_attention_mask=True)  # fmt: skip
     optim = nl.MegatronOptimizerModule(

@@ -3,11 +3,13 @@
 A tiny NeMo 2.7.3 ``llm.GPTModel`` trained by ``nl.Trainer`` + ``nl.MegatronStrategy`` on the CPU
 (``megatron_cpu_mode``) with ``NeMoFP4QATCallback``: fp8 for two steps, then NVFP4. Dumps JSON.
 
-``DEVICES=2`` (``TP=1`` or ``2``) runs two processes; each writes ``OUT.rank<N>`` with every
-quantizer's amax, so the test can compare ranks.
+``DEVICES=2`` (``TP=1`` or ``2``, or ``PP=2``) runs two processes; each writes ``OUT.rank<N>`` with every
+quantizer's amax (under ``PP`` also by global layer name), so the test can compare ranks.
+``BASE=CKPT`` starts from that checkpoint (``RestoreConfig``), so runs at different parallel sizes start alike.
 
 ``worker.py OUT [MODE CKPT [CKPT2]]``: MODE ``full`` (default) trains ``STEPS`` steps; ``pretrain`` trains
-``STEPS // 2`` steps without QAT and saves a NeMo (dist-)checkpoint to CKPT.
+``STEPS // 2`` steps without QAT and saves a NeMo (dist-)checkpoint to CKPT; ``save`` trains ``STEPS`` steps
+and saves a mid-run checkpoint to CKPT after step ``STEPS // 2``; ``resume`` resumes CKPT and trains to ``STEPS``.
 QAD (``distillation=True``, one BF16 step then NVFP4): ``qad`` restores the base CKPT with ``RestoreConfig``
 (the teacher comes from it) and trains ``STEPS``, saving a mid-run checkpoint to CKPT2 (when given) after step
 ``STEPS // 2``; ``qad_resume`` resumes CKPT2 without ``RestoreConfig`` (the teacher path comes back from the
@@ -22,7 +24,9 @@ import sys
 
 STEPS = int(os.environ.get("STEPS", "4"))
 DEVICES = int(os.environ.get("DEVICES", "1"))  # > 1: processes on gloo (Lightning launches the others)
-TP = int(os.environ.get("TP", "1"))  # tensor parallel size; data parallel = DEVICES // TP
+TP = int(os.environ.get("TP", "1"))  # tensor parallel size; data parallel = DEVICES // (TP * PP)
+PP = int(os.environ.get("PP", "1"))  # pipeline parallel size
+BASE = os.environ.get("BASE")  # a checkpoint to start from (RestoreConfig), as a recipe restores a base model
 EXPORT_DIR = os.environ.get("EXPORT_DIR")  # set: the callback exports a TRT-LLM checkpoint at the end of fit
 # set: a QuantizationMonitor (measuring every 2 steps) watches the run, and at this step an Inf is put into the
 # input of layer 0's linear_fc2 (as the Lightning test in test_monitor.py does)
@@ -34,6 +38,7 @@ if __name__ == "__main__":
     ckpt = sys.argv[3] if len(sys.argv) > 3 else None
     # where the mid-run checkpoint goes (pretrain: its only one; qad: optional, the run continues past it)
     save_to = (sys.argv[4] if len(sys.argv) > 4 else None) if mode == "qad" else ckpt
+    save_to = save_to if mode in ("pretrain", "qad", "save") else None
     qad = mode.startswith("qad")
     from nemo_fp4qat.nemo import NeMoFP4QATCallback, megatron_cpu_mode, megatron_module
 
@@ -43,7 +48,7 @@ if __name__ == "__main__":
         import torch
         from nemo_tiny import tiny_gpt
 
-        model, data = tiny_gpt(tp=TP, devices=DEVICES)
+        model, data = tiny_gpt(tp=TP, devices=DEVICES, pp=PP)
         stages = [{"start": 0, "format": "bf16"}, {"start": 1, "format": "target"}] if qad else [
             {"start": 0, "format": "fp8"}, {"start": 2, "format": "target"}]  # fmt: skip
         qat = NeMoFP4QATCallback(
@@ -81,7 +86,7 @@ if __name__ == "__main__":
 
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
                 losses[trainer.global_step] = float(trainer.callback_metrics["reduced_train_loss"])
-                if mode in ("pretrain", "qad") and save_to and trainer.global_step == STEPS // 2:
+                if save_to and trainer.global_step == STEPS // 2:
                     marks["saved_fc1"] = fingerprint(pl_module)
                     q = getattr(fc1_of(pl_module), "weight_quantizer", None)
                     marks["saved_amax"] = None if q is None else float(q.amax)
@@ -137,15 +142,18 @@ if __name__ == "__main__":
             monitor = QuantizationMonitor(every_n_steps=2, module_getter=megatron_module)
             extra = [monitor, InjectInf()]
         max_steps = STEPS // 2 if mode == "pretrain" else STEPS
-        strategy = nl.MegatronStrategy(ckpt_async_save=False, tensor_model_parallel_size=TP)
+        strategy = nl.MegatronStrategy(ckpt_async_save=False, tensor_model_parallel_size=TP,
+                                       pipeline_model_parallel_size=PP)  # fmt: skip
         trainer = nl.Trainer(accelerator="cpu", devices=DEVICES, max_steps=max_steps, strategy=strategy,
                              plugins=nl.MegatronMixedPrecision(precision="32"), logger=False,
                              callbacks=[Probe()] if mode == "pretrain" else [qat, Probe(), *extra],
                              enable_checkpointing=False, limit_val_batches=0, log_every_n_steps=1)  # fmt: skip
         # QAT from a checkpoint trained without it, the way NeMo recipes load a base model
-        if mode == "qad":
-            nl.AutoResume(restore_config=nl.RestoreConfig(path=ckpt, load_artifacts=False)).setup(trainer, model)
-        trainer.fit(model, data, ckpt_path=sys.argv[4] if mode == "qad_resume" else None)
+        restore = ckpt if mode == "qad" else BASE
+        if restore:
+            nl.AutoResume(restore_config=nl.RestoreConfig(path=restore, load_artifacts=False)).setup(trainer, model)
+        resume_from = {"qad_resume": sys.argv[4] if len(sys.argv) > 4 else None, "resume": ckpt}.get(mode)
+        trainer.fit(model, data, ckpt_path=resume_from)
         if mode == "pretrain":
             with open(out, "w") as f:
                 json.dump(marks, f)
@@ -157,8 +165,23 @@ if __name__ == "__main__":
         with open(f"{out}.rank{rank}" if DEVICES > 1 else out, "w") as f:
             from megatron.core import parallel_state
 
+            from nemo_fp4qat.nemo.pipeline import pipeline_layer_offset
+
             tp = parallel_state.get_tensor_model_parallel_world_size()
-            json.dump({**marks, "tp": tp, "amax": amax, "seen": seen, "history": qat.controller.history,
+            mm, offset = megatron_module(model), pipeline_layer_offset(megatron_module(model))
+
+            def global_name(name):  # a stage's local layer index -> the model's
+                head, sep, rest = name.partition("decoder.layers.")
+                if not sep:
+                    return name
+                idx, _, tail = rest.partition(".")
+                return f"{head}decoder.layers.{int(idx) + offset}.{tail}"
+
+            weights = {global_name(n): p.detach().double().flatten()[:64].tolist() for n, p in mm.named_parameters()}
+            json.dump({**marks, "tp": tp, "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+                       "pp_rank": parallel_state.get_pipeline_model_parallel_rank(), "layer_offset": offset,
+                       "global_amax": {global_name(n): a for n, a in amax.items()}, "weights": weights,
+                       "amax": amax, "seen": seen, "history": qat.controller.history,
                        "calibrated": qat.controller.calibrated, "losses": losses, "final_amax": float(final_q.amax),
                        "final_num_bits": list(final_q.num_bits), "final_fc1": fingerprint(model),
                        "block_clips": sorted(qat.controller.block_clips),

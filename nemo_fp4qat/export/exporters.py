@@ -54,9 +54,10 @@ class ExportConfig:
         runtime: ``"trtllm"`` refuses formats TensorRT-LLM has no kernel for; ``"pytorch"`` allows
             anything modelopt exports (this plugin's server unpacks it).
         tensor_parallel: inference tensor-parallel size (``"trtllm"`` kind only).
-        dtype: dtype of the unquantized tensors (embeddings, norms, lm_head); None keeps the model's.
-            modelopt casts before packing, so a dtype other than the training dtype changes rounding
-            (validation then reports the FP4 codes that moved).
+        dtype: dtype of the unquantized tensors (embeddings, norms, lm_head); None keeps the model's
+            (``"trtllm"``: a float32 model's are written in bfloat16, the widest dtype TensorRT-LLM checkpoints
+            take; modelopt's own fallback would be float16). modelopt casts before packing, so a dtype other than
+            the training dtype changes rounding (validation then reports the FP4 codes that moved).
         decoder_type: modelopt decoder type for ``"trtllm"`` (``"llama"``, ``"gpt"`` ...); inferred if None.
         overwrite: replace an existing directory (only once the new export is complete).
         validate: re-read and check the written checkpoint against the model before publishing it.
@@ -82,6 +83,12 @@ class ExportConfig:
             raise ValueError(f"Unknown runtime {self.runtime!r}; choose one of {', '.join(RUNTIMES)}.")
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise ValueError(f"Unknown dtype {self.dtype!r}; choose one of {', '.join(_DTYPES)}.")
+        if self.kind == "trtllm" and self.dtype == "float32":
+            raise ValueError(
+                "dtype='float32' for a TensorRT-LLM checkpoint: modelopt writes TensorRT-LLM checkpoints in float16 or "
+                "bfloat16 only (it would silently use float16); use dtype='bfloat16' (or None, which keeps a bf16/fp16 "
+                "model's dtype and writes a float32 model's in bfloat16), or kind='hf', which keeps float32."
+            )
         if self.tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
         if self.kind == "hf" and self.tensor_parallel != 1:
@@ -95,7 +102,10 @@ class ExportConfig:
 def _dtype(model: nn.Module, cfg: ExportConfig) -> torch.dtype:
     if cfg.dtype is not None:
         return _DTYPES[cfg.dtype]
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    trained = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    if cfg.kind == "trtllm" and trained not in (torch.float16, torch.bfloat16):
+        return torch.bfloat16  # what TensorRT-LLM takes that keeps float32's range (modelopt would pick float16)
+    return trained
 
 
 def _is_hf_model(model: nn.Module) -> bool:

@@ -11,7 +11,9 @@ Checks, for unified HF and TensorRT-LLM (qnemo) checkpoints alike:
 5. excluded modules really are unquantized;
 6. with the trained model: every exported weight, dequantized by this plugin's own unpacker,
    equals the model's fake-quantized weight (FP4: the E2M1 codes equal exactly, ties included;
-   otherwise within the rounding of the scale product).
+   otherwise within the rounding of the scale product); and every unquantized tensor (embeddings,
+   norms, lm_head, biases) equals the model's rounded to the checkpoint's dtype, which for a
+   TensorRT-LLM checkpoint is the dtype its ``config.json`` declares.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from .atomic import file_sha256, read_manifest
 from .layout import FLOAT_DTYPES, SCALE_NAMES, check_layout, layer_layout
 from .reader import group_by_module, load_export, merge_ranks
 from .runtime_support import RUNTIMES, TRTLLM_KV_CACHE_QUANT_ALGOS, TRTLLM_QUANT_ALGOS
+from .unquantized_check import compare_unquantized
 from .validation_report import Problem, ValidationReport
 from .weight_check import compare_weights, model_reference, resmoothed
 
@@ -134,6 +137,10 @@ def validate_export(
                 skipped[mod] = "re-smoothed and requantized by the exporter"
             else:
                 compare_weights(rep, mod, a, t, ref)
+
+    if model is not None:
+        quantized = {m for m, a in rep.layers.items() if a is not None}
+        compare_unquantized(rep, tensors, quantized, model, kind, config)
 
     for mod in mixed:
         if mod not in mods:

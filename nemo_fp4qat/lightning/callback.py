@@ -292,17 +292,28 @@ class FP4QATCallback(pl.Callback):
                 f"modules (e.g. {behind[0]}: {ctl.current[behind[0]]}); the model is not in its deployment "
                 "formats. Train longer or start the last stage earlier."
             )
-        if self.export_dir and trainer.is_global_zero:
+        if self.export_dir:
+            self.export_at_end(trainer, pl_module)
+
+    def export_at_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The end-of-training export (``export_dir``), called on every rank: global rank 0 exports."""
+        if trainer.is_global_zero:
             self.export_model(pl_module, self.export_dir)
 
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # A run killed while exporting and then resumed is restored from its final checkpoint: Lightning skips
-        # the training loop and on_train_end, but still ends the fit here, so the export it owes happens here
-        # (after the strategy's teardown: on a GPU run the model is back on the CPU by now).
+    def owes_export(self, trainer: pl.Trainer) -> bool:
+        """At the end of ``fit``: whether this run finished training in an earlier fit but was not exported.
+
+        A run killed while exporting and then resumed is restored from its final checkpoint: Lightning skips
+        the training loop and ``on_train_end``, but still ends the fit, so the export it owes happens then.
+        """
         trained, self._train_ended = self._train_ended, False
-        if trained or not self.export_dir or not trainer.is_global_zero or self.controller.table is None:
-            return
-        if not (trainer.max_steps and trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps):
+        if trained or not self.export_dir or self.controller.table is None:
+            return False
+        return bool(trainer.max_steps and trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # (after the strategy's teardown: on a GPU run the model is back on the CPU by now)
+        if not self.owes_export(trainer) or not trainer.is_global_zero:
             return
         from ..export.atomic import read_manifest, recover_interrupted
 
@@ -312,11 +323,11 @@ class FP4QATCallback(pl.Callback):
             return
         self.export_model(pl_module, self.export_dir)
 
-    def export_model(self, pl_module: pl.LightningModule, out_dir: str) -> Any:
-        """Export the quantized module (see ``export_dir``); returns the export directory."""
+    def export_model(self, pl_module: pl.LightningModule, out_dir: str, module: nn.Module | None = None) -> Any:
+        """Export the quantized module (see ``export_dir``), or ``module`` when given; returns the export directory."""
         from ..export import export_checkpoint
 
-        module = self.target_module(pl_module)
+        module = module if module is not None else self.target_module(pl_module)
         # default: unified HF checkpoint for Hugging Face models, TRT-LLM (qnemo) for megatron-core ones
         cfg = self.export or self._check_export({"kind": "hf" if hasattr(module, "save_pretrained") else "trtllm"})
         path = export_checkpoint(module, out_dir, cfg, tokenizer=getattr(pl_module, "tokenizer", None))

@@ -14,6 +14,7 @@ run's logs.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -30,6 +31,22 @@ from ..monitor.report import summary_table, write_report
 from ..numerics.metrics import quantization_error
 
 __all__ = ["QuantizationMonitor"]
+
+
+def _refuse_pipeline_parallel() -> None:
+    """The monitor reads one rank's model: under megatron pipeline parallelism that is one stage, under its own
+    layer names, and a stop or rollback decided there would leave the other stages training on."""
+    ps = sys.modules.get("megatron.core.parallel_state")  # no megatron imported: no pipeline here
+    if ps is None or not ps.model_parallel_is_initialized():
+        return
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if pp > 1:
+        raise ValueError(
+            f"QuantizationMonitor does not support pipeline parallelism (pipeline_model_parallel_size={pp}): each "
+            "rank holds one stage, and a stop or rollback on one stage would leave the others training. Monitor a run "
+            "without pipeline parallelism (data and tensor parallelism are supported), or analyze the trained model "
+            "or its export with nemo_fp4qat.analyze_model / `nemo-fp4qat validate`."
+        )
 
 
 class QuantizationMonitor(pl.Callback):
@@ -121,6 +138,7 @@ class QuantizationMonitor(pl.Callback):
 
     # --- Lightning hooks ----------------------------------------------------------------------
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        _refuse_pipeline_parallel()
         module = self._module(pl_module)
         self._snapshot_amax(module)
         if self.check_finite_every_step:

@@ -22,6 +22,14 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from ..lightning.callback import CHECKPOINT_KEY, FP4QATCallback
 from ..qat.distillation import DistillationConfig
+from .pipeline import (
+    every_stage,
+    gather_pipeline_model,
+    modelopt_single_process,
+    pipeline_forward,
+    pipeline_world_size,
+    this_stage,
+)
 
 __all__ = ["NeMoFP4QATCallback", "megatron_module", "nemo_gpt_forward"]
 
@@ -70,12 +78,15 @@ def _layer_layout_of(module: nn.Module, checkpoint_path: Any) -> Iterator[None]:
 
 
 def nemo_gpt_forward(model: nn.Module, batch: dict[str, Any]) -> Any:
-    """One calibration forward of a megatron-core GPT on a NeMo GPT batch."""
-    return model(
-        input_ids=batch["tokens"],
-        position_ids=batch["position_ids"],
-        attention_mask=batch.get("attention_mask"),
-    )
+    """One calibration forward of a megatron-core GPT on a NeMo GPT batch (through every pipeline stage)."""
+    inputs = {
+        "input_ids": batch["tokens"],
+        "position_ids": batch["position_ids"],
+        "attention_mask": batch.get("attention_mask"),
+    }
+    if pipeline_world_size() > 1:
+        return pipeline_forward(model, inputs)
+    return model(**inputs)
 
 
 class NeMoFP4QATCallback(FP4QATCallback):
@@ -186,8 +197,51 @@ class NeMoFP4QATCallback(FP4QATCallback):
     ) -> None:
         super().on_save_checkpoint(trainer, pl_module, checkpoint)
         checkpoint[CHECKPOINT_KEY]["qad_teacher_path"] = self.qad_teacher_path  # read back by match_checkpoint
+        checkpoint[CHECKPOINT_KEY] = every_stage(checkpoint[CHECKPOINT_KEY])
 
-    def export_model(self, pl_module: pl.LightningModule, out_dir: str) -> Any:
+    # A dist-checkpoint keeps one common (non-tensor) state dict, rank 0's; under pipeline parallelism each
+    # stage has its own quantizers and schedule state, so every stage's goes in, and each takes back its own.
+    def state_dict(self) -> dict[str, Any]:
+        return every_stage(super().state_dict())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(this_stage(state_dict))
+
+    def sync_to_saved(self, root: nn.Module, saved: dict[str, Any], state_dict: dict[str, Any]) -> None:
+        super().sync_to_saved(root, this_stage(saved), state_dict)
+
+    def export_at_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Under pipeline parallelism the whole model is first assembled on global rank 0 from every stage
+        (:func:`~nemo_fp4qat.nemo.pipeline.gather_pipeline_model`), so the export holds every layer."""
+        if pipeline_world_size() == 1:
+            super().export_at_end(trainer, pl_module)
+            return
+        import torch.distributed as dist
+
+        whole = gather_pipeline_model(pl_module, self.target_module(pl_module), self.controller)
+        if whole is not None:
+            with modelopt_single_process():
+                self.export_model(pl_module, self.export_dir, module=whole)
+        dist.barrier()
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if pipeline_world_size() == 1:
+            super().on_fit_end(trainer, pl_module)
+            return
+        # every stage takes part in assembling the model, so every rank decides alike whether an export is owed
+        if not self.owes_export(trainer):
+            return
+        import torch.distributed as dist
+
+        from ..export.atomic import read_manifest, recover_interrupted
+
+        if trainer.is_global_zero:
+            recover_interrupted(self.export_dir)
+        dist.barrier()
+        if read_manifest(Path(self.export_dir)) is None:
+            self.export_at_end(trainer, pl_module)
+
+    def export_model(self, pl_module: pl.LightningModule, out_dir: str, module: nn.Module | None = None) -> Any:
         """The deployable artifact at the end of ``fit`` (``export_dir``): a TensorRT-LLM checkpoint (qnemo).
 
         The same modelopt call NeMo's ``Quantizer.export`` makes (``export_tensorrt_llm_checkpoint`` on
@@ -206,7 +260,8 @@ class NeMoFP4QATCallback(FP4QATCallback):
         cfg = self.export or self._check_export({"kind": "trtllm"})
         with tempfile.TemporaryDirectory(prefix="nemo_fp4qat-context-") as ctx:
             TrainerContext.from_trainer(pl_module.trainer).io_dump(Path(ctx), yaml_attrs=["model"])
-            path = export_checkpoint(self.target_module(pl_module), out_dir, cfg, nemo_context=ctx)
+            module = module if module is not None else self.target_module(pl_module)
+            path = export_checkpoint(module, out_dir, cfg, nemo_context=ctx)
         rank_zero_info(f"nemo_fp4qat: exported to {path}")
         return path
 
@@ -221,6 +276,7 @@ class NeMoFP4QATCallback(FP4QATCallback):
         saved = dist_checkpointing.load_common_state_dict(str(weights)).get(CHECKPOINT_KEY)
         if saved is None:
             return False
+        saved = this_stage(saved)
         self.qad_teacher_path = self.qad_teacher_path or saved.get("qad_teacher_path")
         module = self.target_module(pl_module)
         names = dict(module.named_modules())
@@ -231,6 +287,6 @@ class NeMoFP4QATCallback(FP4QATCallback):
                 rel = rel[len("module.") :]  # NeMo's wrapper prefixes, relative to the megatron module
             if "_quantizer." in rel and rel.rpartition(".")[0] in names:
                 buffers[rel] = torch.empty(meta.global_shape, dtype=meta.dtype)
-        self.sync_to_saved(module, saved, buffers)
+        super().sync_to_saved(module, saved, buffers)
         rank_zero_info(f"nemo_fp4qat: quantizers matched to {checkpoint_path} before loading it")
         return True

@@ -640,3 +640,38 @@ def test_an_optional_smoothing_scale_that_does_not_fit_is_named(tmp_path):
     bad = _corrupt(src, tmp_path / "c", lambda t: t.__setitem__(name, t[name][:-1]))
     assert _errors(validate_export(bad))[name] == (
         f"shape ({w[1] - 1},) does not fit W8A8_SQ_PER_CHANNEL with weight {w} (expected {w[1]} values).")  # fmt: skip
+
+
+# --- the unquantized tensors (embeddings, norms, lm_head) -----------------------------------------
+def test_trtllm_checkpoint_of_a_float32_model_is_bfloat16_and_its_unquantized_tensors_are_the_models(tmp_path):
+    """A float32-trained model's TensorRT-LLM checkpoint holds its embeddings, norms and lm_head in bfloat16 (what
+    TensorRT-LLM takes; modelopt alone would write float16), declared so in config.json, and each equals the
+    model's tensor rounded to bfloat16; float32 for a TensorRT-LLM checkpoint is refused by name."""
+    model = calibrated_tiny_llama("nvfp4")
+    out = export_checkpoint(model, tmp_path / "trt", ExportConfig(kind="trtllm"))
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    t = load_file(str(out / "rank0.safetensors"))
+    norm = model.model.layers[1].post_attention_layernorm.weight
+    for name, ref in [("transformer.vocab_embedding.weight", model.model.embed_tokens.weight),
+                      ("transformer.layers.1.post_layernorm.weight", norm),
+                      ("lm_head.weight", model.lm_head.weight)]:  # fmt: skip
+        assert t[name].dtype == torch.bfloat16 and torch.equal(t[name], ref.detach().bfloat16()), name
+    rep = validate_export(out, model=model)
+    assert rep.ok and rep.numeric["unquantized_compared"] >= 2 + 2 * 2 and "unquantized_different" not in rep.numeric
+    with pytest.raises(ValueError, match="dtype='bfloat16'"):
+        ExportConfig(kind="trtllm", dtype="float32")
+
+
+@pytest.mark.parametrize("kind", ["hf", "trtllm"])
+def test_unquantized_tensors_that_differ_from_the_model_are_named(tmp_path, kind):
+    """The validator compares the unquantized tensors too: a norm the model has changed since the export (as if
+    the export had been written from other weights) is named, with the dtype it was compared in."""
+    model = calibrated_tiny_llama("nvfp4", seed=5)
+    out = export_checkpoint(model, tmp_path / kind, ExportConfig(kind=kind))
+    assert validate_export(out, model=model).ok
+    with torch.no_grad():
+        model.model.layers[0].input_layernorm.weight.mul_(1.5)
+    errs = _errors(validate_export(out, model=model))
+    name = "model.layers.0.input_layernorm.weight" if kind == "hf" else "transformer.layers.0.input_layernorm.weight"
+    assert "differs from the trained model's tensor" in errs[name]
+    assert len([e for e in errs if "layernorm" in e]) == 1

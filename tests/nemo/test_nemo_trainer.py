@@ -5,34 +5,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-from megatron_utils import free_port
-from paths import TESTS
+from nemo_worker_run import run_worker
 
 pytestmark = pytest.mark.nemo
-
-
-def _run(tmp_path, name, *args, steps=4, devices=1, tp=1, export_dir=None, **env_extra):
-    out = tmp_path / f"{name}.json"
-    worker = TESTS / "nemo_trainer_worker.py"
-    port = free_port()  # a fresh port: this pytest process may already hold MASTER_PORT
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "STEPS": str(steps),
-           "DEVICES": str(devices), "TP": str(tp)}  # fmt: skip
-    if export_dir:
-        env["EXPORT_DIR"] = str(export_dir)
-    env.update({k: str(v) for k, v in env_extra.items()})
-    proc = subprocess.run([sys.executable, str(worker), str(out), *args], capture_output=True, text=True,
-                          timeout=900, cwd=tmp_path, env=env)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    if devices > 1:
-        return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(devices)]
-    return json.loads(out.read_text())
 
 
 def test_nemo_qat_switches_formats_reports_an_inf_and_ends_with_a_validated_trtllm_checkpoint(tmp_path):
@@ -46,7 +23,7 @@ def test_nemo_qat_switches_formats_reports_an_inf_and_ends_with_a_validated_trtl
     from megatron_utils import nemo_is_qnemo_checkpoint
 
     out = tmp_path / "qnemo"
-    res = _run(tmp_path, "export", steps=5, export_dir=out, INJECT_INF_STEP=3)
+    res = run_worker(tmp_path, "export", steps=5, export_dir=out, INJECT_INF_STEP=3)
     assert [(layer.endswith("decoder.layers.0.mlp.linear_fc2"), step, metric, value)
             for layer, step, metric, value in res["nonfinite"]] == [(True, 3, "input_nonfinite", 1.0)]  # fmt: skip
     assert res["calibrated"]
@@ -75,7 +52,7 @@ def test_two_process_run_keeps_stage_and_amax_identical_across_ranks(tmp_path, t
     """Two gloo processes (DP 2, or TP 2): every rank switches at the same step and ends with the same
     per-tensor amax. Under TP the weight shards differ, so equal amax means they were synced."""
     pytest.importorskip("nemo.collections.llm")
-    r0, r1 = _run(tmp_path, f"ranks-tp{tp}", devices=2, tp=tp)
+    r0, r1 = run_worker(tmp_path, f"ranks-tp{tp}", devices=2, tp=tp)
     assert r0["tp"] == r1["tp"] == tp
     bits = [[4, 3], [4, 3], [2, 1], [2, 1]]
     assert [s["num_bits"] for s in r0["seen"]] == [s["num_bits"] for s in r1["seen"]] == bits
@@ -99,8 +76,8 @@ def test_qad_fine_tune_from_a_base_checkpoint_restores_student_and_teacher_and_d
     ``RestoreConfig`` finds the teacher again and continues exactly."""
     pytest.importorskip("nemo.collections.llm")
     base_ckpt, mid_ckpt = tmp_path / "base", tmp_path / "mid"
-    base = _run(tmp_path, "pretrain", "pretrain", str(base_ckpt), steps=4)
-    qad = _run(tmp_path, "qad", "qad", str(base_ckpt), str(mid_ckpt), steps=4)  # saves mid_ckpt after step 2
+    base = run_worker(tmp_path, "pretrain", "pretrain", str(base_ckpt), steps=4)
+    qad = run_worker(tmp_path, "qad", "qad", str(base_ckpt), str(mid_ckpt), steps=4)  # saves mid_ckpt after step 2
     check = qad["qad_check"]
     assert qad["start_fc1"] == base["saved_fc1"]  # the base weights, not a fresh initialisation
     assert [(s["enabled"], s["num_bits"], s["block"]) for s in qad["seen"]] == [(False, 8, None)] + [
@@ -117,7 +94,7 @@ def test_qad_fine_tune_from_a_base_checkpoint_restores_student_and_teacher_and_d
     # the NeMo dist-checkpoint saved mid-run, resumed: the stage, quantizers, teacher and losses continue
     # as in the uninterrupted run
     assert (mid_ckpt / "weights" / "modelopt_state").exists()  # NeMo saved modelopt's state with the weights
-    resumed = _run(tmp_path, "qad_resume", "qad_resume", str(base_ckpt), str(mid_ckpt), steps=4)
+    resumed = run_worker(tmp_path, "qad_resume", "qad_resume", str(base_ckpt), str(mid_ckpt), steps=4)
     assert resumed["seen"][0]["step"] == 2 and resumed["seen"][0]["num_bits"] == [2, 1]
     assert resumed["seen"][0]["block"] == 16 and resumed["seen"][0]["amax"] == qad["saved_amax"]
     assert [e["to"] for e in resumed["history"]] == ["nvfp4"]  # the schedule history came back, no new switch

@@ -1,0 +1,132 @@
+"""Pipeline parallelism on the NeMo path: two gloo processes, one stage each (``PP=2``), on the CPU.
+
+Every run starts from the same base checkpoint (trained without QAT, saved without pipeline parallelism), so
+the pipeline-parallel run can be compared layer by layer with the same QAT run without pipeline parallelism.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from nemo_worker_run import run_worker
+
+from megatron_utils import free_port
+from paths import TESTS
+
+pytestmark = pytest.mark.nemo
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A base checkpoint (one step without QAT, one process): what a recipe restores before QAT."""
+    d = tmp_path_factory.mktemp("pp_base")
+    run_worker(d, "base", "pretrain", str(d / "base"), steps=2)
+    return d / "base"
+
+
+def _rel(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
+
+
+def _export_tensors(path):
+    from safetensors.torch import load_file
+
+    config = json.loads((path / "config.json").read_text())
+    assert config["mapping"]["pp_size"] == 1 and config["mapping"]["tp_size"] == 1
+    return config, load_file(str(path / "rank0.safetensors"))
+
+
+def test_pipeline_parallel_run_calibrates_switches_resumes_and_exports_every_stage(tmp_path, base):
+    """PP=2: each stage calibrates its own layers through a forward of the whole pipeline, both ranks switch FP8 ->
+    NVFP4 at the same step and report the same losses; a mid-run checkpoint resumes with identical losses, amax and
+    weights (each stage gets its own quantizer state back); the end-of-fit TensorRT-LLM export holds every layer of
+    both stages, validated code for code against the trained stages; and the run equals, layer by layer, the same
+    QAT run without pipeline parallelism (the amax rule: a layer's amax is its own stage's, not reduced across
+    stages, which hold other layers)."""
+    exp_pp, exp_1 = tmp_path / "export_pp2", tmp_path / "export_pp1"
+    r0, r1 = run_worker(tmp_path, "pp2", "save", str(tmp_path / "mid"), steps=4, devices=2, PP=2, BASE=base,
+                  export_dir=exp_pp)  # fmt: skip
+    assert (r0["pp"], r0["pp_rank"], r0["layer_offset"]) == (2, 0, 0)
+    assert (r1["pp"], r1["pp_rank"], r1["layer_offset"]) == (2, 1, 1)
+    assert r0["losses"] == r1["losses"] and len(r0["losses"]) == 4  # the last stage's loss, on both ranks
+    assert all(math.isfinite(v) for v in r0["losses"].values())
+    for r in (r0, r1):
+        assert r["calibrated"]
+        assert [(e["step"], e["group"], e["to"]) for e in r["history"]] == [(2, "other", "nvfp4")]
+        assert [s["num_bits"] for s in r["seen"]] == [[4, 3], [4, 3], [2, 1], [2, 1]]
+    stage0 = {k.split(".")[2] for k in r0["global_amax"]}
+    stage1 = {k.split(".")[2] for k in r1["global_amax"]}
+    assert stage0 == {"0"} and stage1 == {"1"}  # each stage quantized its own layer
+
+    # kill and resume: the mid-run checkpoint, resumed at PP=2, continues exactly
+    q0, q1 = run_worker(tmp_path, "pp2-resume", "resume", str(tmp_path / "mid"), steps=4, devices=2, PP=2)
+    for uninterrupted, resumed in ((r0, q0), (r1, q1)):
+        assert resumed["losses"] == {k: v for k, v in uninterrupted["losses"].items() if int(k) > 2}
+        assert resumed["global_amax"] == uninterrupted["global_amax"]
+        assert resumed["weights"] == uninterrupted["weights"]
+
+    # the export: every layer of every stage, validated against the assembled stages
+    report = json.loads((exp_pp / "validation.json").read_text())
+    assert report["ok"], report["errors"]
+    assert report["numeric"]["layers_compared"] == 8 and report["numeric"]["fp4_codes_different"] == 0
+    config, t_pp = _export_tensors(exp_pp)
+    assert config["num_hidden_layers"] == 2
+    assert {k.split(".")[2] for k in t_pp if k.startswith("transformer.layers.")} == {"0", "1"}
+    assert {"lm_head.weight", "transformer.vocab_embedding.weight", "transformer.ln_f.weight"} <= set(t_pp)
+
+    # the same QAT run without pipeline parallelism, from the same base: equal up to float summation order
+    # (micro-batches of 1 under PP, one of 2 without)
+    one = run_worker(tmp_path, "pp1", steps=4, BASE=base, export_dir=exp_1)
+    assert _rel(list(r0["losses"].values()), list(one["losses"].values())) < 1e-5
+    staged = {**r0["global_amax"], **r1["global_amax"]}
+    assert sorted(staged) == sorted(one["global_amax"])
+    for name, amax in staged.items():
+        assert _rel(amax, one["global_amax"][name]) < 1e-5, name
+    for name, w in {**r0["weights"], **r1["weights"]}.items():
+        assert max(abs(x - y) for x, y in zip(w, one["weights"][name], strict=True)) < 1e-4, name
+    _, t_1 = _export_tensors(exp_1)
+    assert sorted(t_pp) == sorted(t_1)
+    for key, v in t_pp.items():
+        assert v.shape == t_1[key].shape and v.dtype == t_1[key].dtype, key
+        if v.dtype == torch.uint8:  # packed E2M1 codes: the same but for a few near a rounding boundary
+            same = (v == t_1[key]).float().mean().item()
+            assert same > 0.995, (key, same)
+        else:
+            assert torch.allclose(v.float(), t_1[key].float(), rtol=1e-3, atol=1e-4), key
+
+
+def test_pipeline_stage_state_refuses_another_pipeline_size():
+    """A checkpoint's per-stage QAT state cannot be resumed at another pipeline-parallel size: the message names
+    the size it was saved with and how to start from its weights instead."""
+    from nemo_fp4qat.nemo.pipeline import STAGES_KEY, this_stage
+
+    with pytest.raises(ValueError, match=r"pipeline_model_parallel_size=2 .*resumed with 1.*RestoreConfig"):
+        this_stage({STAGES_KEY: [{"controller": {}}, {"controller": {}}]})
+    assert this_stage({"controller": {"current": {}}}) == {"controller": {"current": {}}}
+
+
+@pytest.mark.parametrize(
+    ("mode", "env", "message"),
+    [
+        ("full", {"INJECT_INF_STEP": "1"}, "QuantizationMonitor does not support pipeline parallelism"),
+        ("qad", {}, "NeMoFP4QATCallback distils at TP=1 and PP=1"),
+    ],
+    ids=["monitor", "qad"],
+)
+def test_pipeline_parallel_refuses_the_monitor_and_qad_by_name(tmp_path, base, mode, env, message):
+    """What does not run under pipeline parallelism stops the run before its first step, with the limit named."""
+    out = tmp_path / "refused.json"
+    args = [str(base)] if mode == "qad" else []
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "STEPS": "2", "DEVICES": "2",
+           "PP": "2", **env}  # fmt: skip
+    proc = subprocess.run([sys.executable, str(TESTS / "nemo_trainer_worker.py"), str(out), mode, *args],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)  # fmt: skip
+    assert proc.returncode != 0
+    assert message in proc.stdout + proc.stderr
+    assert "Training epoch 0, iteration 0" not in proc.stdout + proc.stderr

@@ -1,0 +1,30 @@
+"""Running ``nemo_trainer_worker.py`` as its own process(es), for the NeMo tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from megatron_utils import free_port
+from paths import TESTS
+
+
+def run_worker(tmp_path, name, *args, steps=4, devices=1, tp=1, export_dir=None, **env_extra):
+    """Run the worker (``DEVICES`` processes) and return its JSON (one per rank when ``devices > 1``)."""
+    out = tmp_path / f"{name}.json"
+    worker = TESTS / "nemo_trainer_worker.py"
+    port = free_port()  # a fresh port: this pytest process may already hold MASTER_PORT
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "STEPS": str(steps),
+           "DEVICES": str(devices), "TP": str(tp)}  # fmt: skip
+    if export_dir:
+        env["EXPORT_DIR"] = str(export_dir)
+    env.update({k: str(v) for k, v in env_extra.items()})
+    proc = subprocess.run([sys.executable, str(worker), str(out), *args], capture_output=True, text=True,
+                          timeout=900, cwd=tmp_path, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    if devices > 1:
+        return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(devices)]
+    return json.loads(out.read_text())

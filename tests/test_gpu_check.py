@@ -1,0 +1,46 @@
+"""The GPU acceptance run rehearsed on the CPU (``benchmarks/gpu_check.py --cpu``), so it cannot rot while no GPU
+is available: every section runs end to end at tiny sizes, and its JSON renders."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from paths import ROOT
+
+
+def test_gpu_check_runs_end_to_end_on_the_cpu_and_renders(tmp_path):
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--cpu", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=900, cwd=tmp_path, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    d = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert d["errors"] == []
+
+    # parity: the exact path equals the CPU kernel on every NVFP4 case; modelopt's CUDA kernels are not run here
+    nvfp4 = [p for p in d["parity"] if p["format"] == "nvfp4"]
+    assert len(nvfp4) == 18 and all(p["exact"] == {"mismatches": 0, "max_abs_diff": 0.0} for p in nvfp4)
+    assert {p["format"] for p in d["parity"]} == {"nvfp4", "mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8"}
+    assert all("skipped" in p["modelopt"] for p in d["parity"])
+
+    # QAD -> both exports validated code for code, and the deployed export scores what the trained model scores
+    q = d["qad"]
+    assert set(q["exports"]) == {"trtllm", "hf"}
+    for kind, e in q["exports"].items():
+        assert e.get("validated") is True, (kind, e)
+        assert e["fp4_codes_compared"] > 0 and e["fp4_codes_different_exact"] == 0
+        assert abs(e["ppl_cpu"] / q["trained_ppl"] - 1) < 1e-3, (kind, e["ppl_cpu"], q["trained_ppl"])
+
+    st = d["step"]
+    assert st["bf16"]["step_s"] > 0 and st["qat_exact"]["step_s"] > 0 and "skipped" in st["qat_modelopt"]
+    assert "skipped" in d["nemo"]
+
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "render_gpu.py"), "--src",
+                           str(tmp_path / "gpu_check.json"), "--dst", str(tmp_path / "gpu_check.md")],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    md = (tmp_path / "gpu_check.md").read_text()
+    assert "| nvfp4 | 62400 | not run | 0 |" in md
+    assert "| trtllm | True |" in md and "| hf | True |" in md
