@@ -103,12 +103,29 @@ def choice_log_likelihoods(model: nn.Module, tokenizer: Any, task: dict[str, Any
     A Hugging Face causal LM runs the input once and the choices as one batch on its key/value cache
     (the input is most of a task's tokens, so far fewer tokens run than with the input repeated per
     choice); other models score the choices as one right-padded batch of input + choice.
+
+    A task with an empty input (BIG-bench-style sentence choice) scores its choices unconditionally, as
+    lm-evaluation-harness does: from the tokenizer's start-of-text token (``bos_token_id``, else
+    ``eos_token_id``), so every token of a choice is scored.
+
+    Raises:
+        ValueError: a choice has no tokens, or the input is empty and the tokenizer has no start-of-text
+            (or end-of-text) token to score from.
     """
     device = next(model.parameters()).device
     ctx = tokenizer(task["input"], add_special_tokens=False)["input_ids"]
     conts = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in task["choices"]]
-    if not ctx or not all(conts):
-        raise ValueError("a multiple-choice task needs a non-empty input and non-empty choices")
+    if not all(conts):
+        raise ValueError("every choice of a multiple-choice task needs at least one token; drop the empty choice")
+    if not ctx:
+        start = getattr(tokenizer, "bos_token_id", None)
+        start = start if start is not None else getattr(tokenizer, "eos_token_id", None)
+        if start is None:
+            raise ValueError(
+                "this task's input is empty, and the tokenizer has no bos_token_id or eos_token_id to score its "
+                "choices from: give the task an input, or use a tokenizer with a start-of-text token"
+            )
+        ctx = [int(start)]
     longest = max(len(c) for c in conts)
     if _has_kv_cache(model):
         keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}

@@ -76,9 +76,46 @@ def test_batched_choice_scores_equal_one_at_a_time_scores():
             assert count == len(cont) and total == pytest.approx(float(alone), rel=1e-6, abs=1e-6)
 
 
-def test_a_task_without_tokens_is_refused():
+def test_an_empty_input_is_scored_from_the_start_of_text_token():
+    """BIG-bench-style sentence choice (no input): each choice is scored unconditionally, from the tokenizer's
+    start-of-text token, as lm-evaluation-harness does; every token of a choice counts, on both scoring paths (a
+    Hugging Face model's cache, a plain module), and equals scoring [bos] + choice by hand."""
+    from tiny_models import tiny_llama
+
+    tok = WordTok(["<s>", "the", "cat", "sat", "dog", "ran", "far"])
+    tok.bos_token_id = tok.vocab["<s>"]
+    model = tiny_llama(seed=0).double().eval()
+    task = {"input": "", "choices": ["the cat sat", "dog ran far away"[:-5], "cat"], "answer": 0}
+    got = choice_log_likelihoods(model, tok, task)
+    plain = choice_log_likelihoods(_Plain(model), tok, task)
+    for choice, (total, count), (total_plain, count_plain) in zip(task["choices"], got, plain, strict=True):
+        ids = [tok.bos_token_id] + tok(choice)["input_ids"]
+        with torch.no_grad():
+            logp = torch.log_softmax(_logits(model, torch.tensor([ids])).double()[0], -1)
+        want = float(logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].sum())
+        assert count == count_plain == len(ids) - 1
+        assert total == pytest.approx(want, rel=1e-6) and total_plain == pytest.approx(want, rel=1e-6)
+    tok.bos_token_id = None
+    tok.eos_token_id = tok.vocab["far"]  # no start-of-text token: the end-of-text one, as lm-evaluation-harness
+    assert choice_log_likelihoods(model, tok, task)[2][1] == 1
+
+
+def test_a_task_that_cannot_be_scored_is_refused_with_the_fix():
     tok = WordTok(["a", "b"])
     from tiny_models import tiny_llama
 
-    with pytest.raises(ValueError, match="non-empty input and non-empty choices"):
+    with pytest.raises(ValueError, match="no bos_token_id or eos_token_id.*give the task an input"):
         choice_log_likelihoods(tiny_llama(seed=0), tok, {"input": "", "choices": ["a"], "answer": 0})
+    with pytest.raises(ValueError, match="drop the empty choice"):
+        choice_log_likelihoods(tiny_llama(seed=0), tok, {"input": "a", "choices": ["", "b"], "answer": 1})
+
+
+class _Plain(torch.nn.Module):
+    """The same model without Hugging Face's cache interface: the right-padded batch path."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(ids).logits
