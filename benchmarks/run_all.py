@@ -7,6 +7,8 @@ results/*.md sections are collected here like the rest.
 from __future__ import annotations
 
 import importlib
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +25,39 @@ BENCHES = [
 ]
 # Rendered from committed results of runs elsewhere (the GPU check's JSON): no machine needed.
 RENDERERS = ["render_gpu"]
+# results file -> the script that writes it, where its own text does not name it
+WRITERS = {
+    "cpu_fakequant": "bench_cpu_fakequant.py",
+    "demo": "bench_demo.py",
+    "export_size": "bench_export_size.py",
+    "training_overhead": "bench_training_overhead.py",
+    "accuracy": "bench_accuracy.py",
+    "gpu_h200": "gpu_check.py",
+    "gpu_check": "gpu_check.py",
+}
+
+
+def _updated(path: Path) -> str:
+    """The date of the commit that last changed ``path`` (its measurement's date), or "uncommitted"."""
+    try:
+        out = subprocess.run(["git", "log", "-1", "--format=%cs", "--", path.name], cwd=path.parent,
+                             capture_output=True, text=True, timeout=30).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return out or "uncommitted"
+
+
+def index(results: Path) -> str:
+    """RESULTS.md: one row per results file (what it measures, the script that writes it, when it changed)."""
+    rows = ["| results | what | written by | updated |", "|---|---|---|---|"]
+    for f in sorted(results.glob("*.md")):
+        text = f.read_text()
+        heading = next((line.lstrip("# ").strip() for line in text.splitlines() if line.startswith("#")), f.stem)
+        heading = re.sub(r"\s*\(`?benchmarks/[^)]*\)", "", heading).replace("|", "/")
+        named = re.findall(r"benchmarks/(\w+\.py)", text)
+        script = WRITERS.get(f.stem) or (named[0] if named else "?")
+        rows.append(f"| [`{f.name}`](results/{f.name}) | {heading} | `benchmarks/{script}` | {_updated(f)} |")
+    return "\n".join(rows)
 
 
 def main() -> None:
@@ -31,18 +66,18 @@ def main() -> None:
         for name in BENCHES:
             importlib.import_module(name).main()
     for name in RENDERERS:
-        importlib.import_module(name).main()
+        importlib.import_module(name).main([])
     parts = [
         "# Benchmark results",
         "",
-        "Every section below is written by the script it names, from a committed results file "
-        "(`benchmarks/results/`); speed and memory figures are ratios measured side by side in one run. "
-        "Regenerate with `make bench` (CPU), `make bench-accuracy`, `make mutate`, and `benchmarks/gpu_check.py` "
-        "on a GPU (then `benchmarks/render_gpu.py`). Hand-written reading notes live in `benchmarks/notes/`.",
+        "One row per results file; each is written by the script it names (speed and memory figures are ratios "
+        "measured side by side in one run). Regenerate with `make bench` (CPU), `make bench-accuracy`, "
+        "`make mutate`, `make reliability`, and `make gpu-check` on a GPU (then `benchmarks/render_gpu.py`). "
+        "Hand-written reading notes: `benchmarks/notes/`.",
+        "",
+        index(HERE / "results"),
         "",
     ]
-    for f in sorted((HERE / "results").glob("*.md")):
-        parts.append(f.read_text())
     (HERE / "RESULTS.md").write_text("\n".join(parts))
     print(f"wrote {HERE / 'RESULTS.md'}")
 

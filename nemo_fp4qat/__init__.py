@@ -1,7 +1,8 @@
 """nemo-fp4qat: FP4 quantization-aware training for NVIDIA NeMo, built on NVIDIA Model Optimizer.
 
-Importing the package installs the CPU fake-quant backend for modelopt's CUDA-only block formats
-(NVFP4, MXFP4/6/8); it acts on CPU tensors only (``NEMO_FP4QAT_CPU_BACKEND=0`` disables it).
+Importing the package installs the fake-quant backend: CPU tensors in modelopt's CUDA-only block formats
+(NVFP4, MXFP4/6/8) go to the plugin's C kernels, and NVFP4 on CUDA tensors to an exact Triton kernel that
+rounds as modelopt's exporter does (``NEMO_FP4QAT_CPU_BACKEND=0`` disables both).
 Optional integrations (NeMo/megatron-core, export, serving) live in subpackages and are imported
 only when used.
 """
