@@ -72,6 +72,7 @@ TARGETS: dict[str, dict] = {
     "calibration": {"module": "nemo_fp4qat/qat/calibration.py",
                     "tests": ["tests/qat/test_amax_sync.py", "tests/qat/test_calibration_data.py",
                               "tests/qat/test_bad_config.py"]},
+    "batches": {"module": "nemo_fp4qat/qat/batches.py", "tests": ["tests/qat/test_calibration_data.py"]},
     "controller": {"module": "nemo_fp4qat/qat/controller.py",
                    "tests": ["tests/qat/test_controller.py", "tests/lightning/test_qat_callback.py",
                              "tests/qat/test_schedule.py", "tests/qat/test_bad_config.py",

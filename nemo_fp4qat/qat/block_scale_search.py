@@ -30,7 +30,8 @@ import torch.nn as nn
 
 from ..numerics.fake_quant import _blocked, _nan_free_block_amax, _nvfp4_global_scale, _unblocked, round_to_minifloat
 from ..numerics.formats import format_name_of
-from .calibration import _all_reduce_flat, _data_parallel_group, forward_batches
+from .batches import forward_batches
+from .calibration import _all_reduce_flat, _data_parallel_group
 
 __all__ = ["DEFAULT_MIN_RATIO", "BlockClip", "clip_nvfp4_weights", "input_second_moments", "search_nvfp4_block_clip"]
 

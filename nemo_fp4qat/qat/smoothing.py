@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .calibration import forward_batches
+from .batches import forward_batches
 from .policy import is_quantizer
 
 __all__ = ["SITES", "SmoothingConfig", "SmoothingSite", "find_smoothing_sites", "smooth_model"]
