@@ -9,18 +9,52 @@ only when used.
 
 from __future__ import annotations
 
-from .lightning.callback import FP4QATCallback
-from .lightning.mixin import FP4QATMixin
-from .lightning.monitor import QuantizationMonitor
-from .monitor import Finding, MonitorThresholds, analyze_model
-from .numerics.cpu_backend import cpu_backend_installed, install_cpu_backend, uninstall_cpu_backend
-from .numerics.formats import FORMATS, QuantFormat, get_format, list_formats
-from .qat.calibration import CalibrationConfig
-from .qat.config import QATConfig
-from .qat.controller import QATController
-from .qat.distillation import DistillationConfig
-from .qat.policy import POLICY_PRESETS, LayerPolicy, PolicyRule, PolicyTable
-from .qat.schedule import SCHEDULE_PRESETS, PrecisionSchedule, Stage
+import importlib
+from typing import Any
+
+from .numerics.backend_hook import install_when_modelopt_loads
+
+# The public API, imported on first use: ``import nemo_fp4qat`` loads neither torch nor Lightning nor modelopt.
+_EXPORTS = {
+    "FP4QATCallback": ".lightning.callback",
+    "FP4QATMixin": ".lightning.mixin",
+    "QuantizationMonitor": ".lightning.monitor",
+    "Finding": ".monitor",
+    "MonitorThresholds": ".monitor",
+    "analyze_model": ".monitor",
+    "cpu_backend_installed": ".numerics.cpu_backend",
+    "install_cpu_backend": ".numerics.cpu_backend",
+    "uninstall_cpu_backend": ".numerics.cpu_backend",
+    "FORMATS": ".numerics.formats",
+    "QuantFormat": ".numerics.formats",
+    "get_format": ".numerics.formats",
+    "list_formats": ".numerics.formats",
+    "CalibrationConfig": ".qat.calibration",
+    "QATConfig": ".qat.config",
+    "QATController": ".qat.controller",
+    "DistillationConfig": ".qat.distillation",
+    "POLICY_PRESETS": ".qat.policy",
+    "LayerPolicy": ".qat.policy",
+    "PolicyRule": ".qat.policy",
+    "PolicyTable": ".qat.policy",
+    "SCHEDULE_PRESETS": ".qat.schedule",
+    "PrecisionSchedule": ".qat.schedule",
+    "Stage": ".qat.schedule",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
 
 __version__ = "0.1.0"
 
@@ -51,4 +85,4 @@ __all__ = [
     "uninstall_cpu_backend",
 ]
 
-install_cpu_backend()
+install_when_modelopt_loads()
