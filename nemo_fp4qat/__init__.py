@@ -16,6 +16,7 @@ from .numerics.backend_hook import install_when_modelopt_loads
 
 # The public API, imported on first use: ``import nemo_fp4qat`` loads neither torch nor Lightning nor modelopt.
 _EXPORTS = {
+    "ConfigError": ".specs",
     "FP4QATCallback": ".lightning.callback",
     "FP4QATMixin": ".lightning.mixin",
     "QuantizationMonitor": ".lightning.monitor",
@@ -63,6 +64,7 @@ __all__ = [
     "POLICY_PRESETS",
     "SCHEDULE_PRESETS",
     "CalibrationConfig",
+    "ConfigError",
     "DistillationConfig",
     "FP4QATCallback",
     "FP4QATMixin",

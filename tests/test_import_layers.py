@@ -13,6 +13,7 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "nemo_fp4qat"
 LAYERS = {
+    "specs": 0,
     "numerics": 0,
     "qat": 1,
     "monitor": 2,

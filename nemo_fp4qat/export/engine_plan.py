@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..specs import from_fields
+
 __all__ = ["EnginePlan", "write_engine_plan"]
 
 PLAN_JSON = "engine_plan.json"
@@ -54,7 +56,7 @@ class EnginePlan:
     def resolve_spec(cls, spec: EnginePlan | dict[str, Any] | None) -> EnginePlan:
         if spec is None:
             return cls()
-        return spec if isinstance(spec, cls) else cls(**dict(spec))
+        return spec if isinstance(spec, cls) else from_fields(cls, spec, "engine plan")
 
     def commands(self, checkpoint_dir: str, kind: str, tensor_parallel: int = 1) -> list[str]:
         ckpt = shlex.quote(str(checkpoint_dir))

@@ -30,6 +30,7 @@ import torch.nn as nn
 
 from ..numerics.cpu_shims import modelopt_export_on_cpu
 from ..qat.w4a8_scaling import w4a8_export_amax
+from ..specs import from_fields
 from .atomic import atomic_directory, write_manifest
 from .engine_plan import EnginePlan, write_engine_plan
 from .runtime_support import RUNTIMES, ExportRefused, preflight
@@ -193,7 +194,7 @@ def export_checkpoint(
     would reject the model, and :class:`ExportValidationError` (nothing published) when the
     written checkpoint does not match the model.
     """
-    cfg = config if isinstance(config, ExportConfig) else ExportConfig(**dict(config or {}))
+    cfg = config if isinstance(config, ExportConfig) else from_fields(ExportConfig, dict(config or {}), "export")
     out = Path(out_dir)
     layers = preflight(model, cfg.runtime, cfg.tensor_parallel)
     with atomic_directory(out, overwrite=cfg.overwrite) as tmp:

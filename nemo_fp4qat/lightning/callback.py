@@ -33,6 +33,7 @@ from ..qat.config import QATConfig
 from ..qat.controller import QATController
 from ..qat.distillation import DistillationConfig, Distiller
 from ..qat.policy import is_quantizable_linear
+from ..specs import from_fields
 from .patches import MethodPatches
 
 __all__ = ["CHECKPOINT_KEY", "FP4QATCallback"]
@@ -122,8 +123,8 @@ class FP4QATCallback(pl.Callback):
     def from_config(cls, config: QATConfig | dict[str, Any], **hooks: Any) -> FP4QATCallback:
         """The callback for a :class:`QATConfig` (or a dict of its fields); ``hooks`` are the
         non-serializable arguments (``calibration_data``, ``forward_fn``, ``module_getter``)."""
-        fields = vars(config) if isinstance(config, QATConfig) else dict(config)
-        return cls(**fields, **hooks)
+        config = config if isinstance(config, QATConfig) else from_fields(QATConfig, config, "QATConfig")
+        return cls(**vars(config), **hooks)
 
     def _check_export(self, export: Any) -> Any:
         """Refuse a bad export configuration now, not after training: unknown kind / runtime / dtype, or a
@@ -137,7 +138,7 @@ class FP4QATCallback(pl.Callback):
         else:
             d = dict(export)
             d.setdefault("runtime", self.controller.policy.runtime)
-            cfg = ExportConfig(**d)
+            cfg = from_fields(ExportConfig, d, "export")
         if cfg.runtime == "trtllm" and self.controller.policy.runtime != "trtllm":
             raise ValueError(
                 f"export runtime 'trtllm' with policy {self.controller.policy.name!r}, which TensorRT-LLM cannot run "

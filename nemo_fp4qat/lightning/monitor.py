@@ -29,6 +29,7 @@ from ..monitor.analysis import amax_of, analyze_model, quantized_layers
 from ..monitor.findings import ACTIONS, SUGGESTIONS, Finding, MonitorThresholds, check_layer
 from ..monitor.report import summary_table, write_report
 from ..numerics.metrics import quantization_error
+from ..specs import from_fields
 
 __all__ = ["QuantizationMonitor"]
 
@@ -81,7 +82,9 @@ class QuantizationMonitor(pl.Callback):
             raise ValueError(f"every_n_steps must be a positive int, got {every_n_steps!r}")
         self.every_n_steps = every_n_steps
         self.thresholds = (
-            thresholds if isinstance(thresholds, MonitorThresholds) else MonitorThresholds(**(thresholds or {}))
+            thresholds
+            if isinstance(thresholds, MonitorThresholds)
+            else from_fields(MonitorThresholds, thresholds or {}, "monitor thresholds")
         )
         self.action = action
         self.out_dir = out_dir

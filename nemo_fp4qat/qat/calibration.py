@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..specs import ConfigError, from_fields
 from .batches import collect_batches, default_forward, forward_batches
 from .policy import is_quantizer
 from .smoothing import SmoothingConfig
@@ -87,15 +88,11 @@ class CalibrationConfig:
         if isinstance(spec, int) and not isinstance(spec, bool):
             return cls(num_samples=spec)
         if not (isinstance(spec, dict) or hasattr(spec, "items")):
-            raise ValueError(
+            raise ConfigError(
                 f"calibration={spec!r} is not understood; give a sample count (e.g. calibration=256), a dict of "
                 "CalibrationConfig fields (e.g. {'num_samples': 256}) or a CalibrationConfig."
             )
-        fields = {f for f in cls.__dataclass_fields__}
-        unknown = sorted(k for k in dict(spec) if k not in fields and k != "_target_")
-        if unknown:
-            raise ValueError(f"Unknown calibration field(s) {unknown}; CalibrationConfig has {sorted(fields)}.")
-        return cls(**{k: v for k, v in dict(spec).items() if k != "_target_"})
+        return from_fields(cls, spec, "calibration")
 
 
 def run_calibration(

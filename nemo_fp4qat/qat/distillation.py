@@ -21,6 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..specs import ConfigError, from_fields
+
 __all__ = ["DistillationConfig", "Distiller", "is_nemo_checkpoint", "kd_loss", "kd_per_token"]
 
 
@@ -71,11 +73,11 @@ class DistillationConfig:
         if isinstance(spec, DistillationConfig):
             return spec
         if not (isinstance(spec, dict) or hasattr(spec, "items")):
-            raise ValueError(
+            raise ConfigError(
                 f"distillation={spec!r} is not understood; use True or 'qad' (KL only, T=1), a dict of "
                 "DistillationConfig fields (alpha, temperature, teacher) or a DistillationConfig."
             )
-        return cls(**{k: v for k, v in dict(spec).items() if k != "_target_"})
+        return from_fields(cls, spec, "distillation")
 
 
 def _logits(out: Any) -> torch.Tensor:

@@ -18,6 +18,7 @@ from typing import Any
 import torch.nn as nn
 
 from ..numerics.formats import FULL_PRECISION, QuantFormat, get_format
+from ..specs import ConfigError, did_you_mean, from_fields
 
 # KV-cache formats a policy may request (TensorRT-LLM deploys FP8 KV caches from calibrated scales).
 KV_CACHE_FORMATS = frozenset({"fp8"})
@@ -224,12 +225,9 @@ class LayerPolicy:
                 rules.append(r)
             elif isinstance(r, dict) or hasattr(r, "items"):
                 try:
-                    rules.append(PolicyRule(**dict(r)))
-                except TypeError as e:
-                    raise ValueError(
-                        f"Policy rule {i} is invalid ({e}); a rule has the fields patterns, weight, "
-                        "input, group, optional."
-                    ) from e
+                    rules.append(from_fields(PolicyRule, r, "policy rule"))
+                except ConfigError as e:
+                    raise ConfigError(f"Policy rule {i} is invalid: {e}") from e
             else:
                 raise TypeError(f"Policy rule {i} must be a PolicyRule or a dict, got {type(r).__name__}")
         self.rules = rules
@@ -250,7 +248,10 @@ class LayerPolicy:
     @classmethod
     def preset(cls, name: str) -> LayerPolicy:
         if name not in POLICY_PRESETS:
-            raise ValueError(f"Unknown policy preset {name!r}; presets: {', '.join(POLICY_PRESETS)}")
+            raise ConfigError(
+                f"Unknown policy preset {name!r}{did_you_mean(name, POLICY_PRESETS)}; presets: "
+                f"{', '.join(POLICY_PRESETS)}"
+            )
         spec = POLICY_PRESETS[name]
         rules = [PolicyRule(**r) for r in spec["rules"]]
         return cls(rules=rules, default=spec["default"], name=name, runtime=spec["runtime"])
@@ -271,14 +272,16 @@ class LayerPolicy:
         if isinstance(spec, LayerPolicy):
             return spec
         if isinstance(spec, dict) or hasattr(spec, "items"):
-            d = {k: v for k, v in dict(spec).items() if k != "_target_"}
-            return cls(**d)
+            return from_fields(cls, spec, "policy")
         spec_s = str(spec)
         if spec_s in POLICY_PRESETS:
             return cls.preset(spec_s)
         if spec_s.endswith((".yaml", ".yml")) or Path(spec_s).is_file():
             return cls.from_yaml(spec_s)
-        raise ValueError(f"Policy {spec!r} is neither a preset ({', '.join(POLICY_PRESETS)}) nor a YAML file.")
+        raise ConfigError(
+            f"Policy {spec!r} is neither a preset{did_you_mean(spec_s, POLICY_PRESETS)} ({', '.join(POLICY_PRESETS)}) "
+            "nor a YAML file."
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "default": self.default, "kv_cache": self.kv_cache, "runtime": self.runtime,

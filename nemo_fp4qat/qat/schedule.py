@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..numerics.formats import FULL_PRECISION, QuantFormat, get_format
+from ..specs import ConfigError, did_you_mean, from_fields
 from .policy import element_bits
 
 __all__ = ["SCHEDULE_PRESETS", "TARGET", "PrecisionSchedule", "Stage", "effective_format"]
@@ -117,7 +118,10 @@ class PrecisionSchedule:
     @classmethod
     def preset(cls, name: str) -> PrecisionSchedule:
         if name not in SCHEDULE_PRESETS:
-            raise ValueError(f"Unknown schedule preset {name!r}; presets: {', '.join(SCHEDULE_PRESETS)}")
+            raise ConfigError(
+                f"Unknown schedule preset {name!r}{did_you_mean(name, SCHEDULE_PRESETS)}; presets: "
+                f"{', '.join(SCHEDULE_PRESETS)}"
+            )
         return cls(name=name, **SCHEDULE_PRESETS[name])
 
     @classmethod
@@ -125,7 +129,7 @@ class PrecisionSchedule:
         if isinstance(spec, PrecisionSchedule):
             return spec
         if isinstance(spec, dict) or hasattr(spec, "items"):
-            return cls(**{k: v for k, v in dict(spec).items() if k != "_target_"})
+            return from_fields(cls, spec, "schedule")
         s = str(spec)
         if s in SCHEDULE_PRESETS:
             return cls.preset(s)
@@ -136,7 +140,10 @@ class PrecisionSchedule:
             if not isinstance(obj, PrecisionSchedule):
                 raise TypeError(f"{s} does not describe a PrecisionSchedule (got {type(obj).__name__})")
             return obj
-        raise ValueError(f"Schedule {spec!r} is neither a preset ({', '.join(SCHEDULE_PRESETS)}) nor a YAML file.")
+        raise ConfigError(
+            f"Schedule {spec!r} is neither a preset{did_you_mean(s, SCHEDULE_PRESETS)} ({', '.join(SCHEDULE_PRESETS)}) "
+            "nor a YAML file."
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {

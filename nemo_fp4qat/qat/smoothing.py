@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..specs import ConfigError, from_fields
 from .batches import forward_batches
 from .policy import is_quantizer
 
@@ -86,12 +87,8 @@ class SmoothingConfig:
         if isinstance(spec, (int, float)):
             return cls(alpha=float(spec))
         if isinstance(spec, dict) or hasattr(spec, "items"):
-            spec = {k: v for k, v in dict(spec).items() if k != "_target_"}
-            unknown = sorted(set(spec) - set(cls.__dataclass_fields__))
-            if unknown:
-                raise ValueError(f"Unknown smoothing field(s) {unknown}; SmoothingConfig has ['alpha', 'sites'].")
-            return cls(**spec)
-        raise ValueError(
+            return from_fields(cls, spec, "smoothing")
+        raise ConfigError(
             f"smoothing={spec!r} is not understood; give true, an alpha (e.g. 0.5) or a dict such as "
             "{'alpha': 0.5, 'sites': ['mlp_in']}."
         )

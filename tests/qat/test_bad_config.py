@@ -10,6 +10,7 @@ from nemo_fp4qat.export import ExportConfig
 from nemo_fp4qat.qat.calibration import CalibrationConfig
 from nemo_fp4qat.qat.distillation import DistillationConfig
 from nemo_fp4qat.qat.policy import PolicyRule
+from nemo_fp4qat.specs import ConfigError
 
 from tiny_models import tiny_llama
 
@@ -45,7 +46,7 @@ BAD = [
      r"group_offsets\['mlp'\] must be a non-negative number"),
     ("ramp sign", lambda: PrecisionSchedule(stages=[{"start": 0, "format": "target"}], ramp_steps=-2), r"ramp_steps"),
     ("schedule field", lambda: PrecisionSchedule.resolve_spec({"stages": [{"start": 0, "format": "fp8"}], "ramp": 1}),
-     r"unexpected keyword argument 'ramp'"),
+     r"Unknown schedule field\(s\) 'ramp' \(did you mean 'ramp_steps'\?\); PrecisionSchedule has: .*ramp_steps"),
     ("rule patterns", lambda: PolicyRule(patterns=[]), r"at least one non-empty glob pattern"),
     ("rule group", lambda: PolicyRule(patterns=["*"], group=""), r"group must be a non-empty string"),
     ("rule field", lambda: LayerPolicy(rules=[{"patterns": ["*"], "wieght": "nvfp4"}]), r"rule 0 is invalid.*'wieght'"),
@@ -59,15 +60,29 @@ BAD = [
     ("monitor action", lambda: QuantizationMonitor(action="explode"), r"action must be one of"),
     ("monitor cadence", lambda: QuantizationMonitor(every_n_steps=0), r"every_n_steps must be a positive int"),
     ("calibration fraction", lambda: CalibrationConfig(num_samples=1.5), r"num_samples must be a positive int"),
-    ("engine plan field", lambda: ExportConfig(plan={"max_batch": -1}), r"unexpected keyword argument 'max_batch'"),
+    ("engine plan field", lambda: ExportConfig(plan={"max_batch": -1}),
+     r"Unknown engine plan field\(s\) 'max_batch' \(did you mean 'max_batch_size'\?\)"),
+    ("export field", lambda: FP4QATCallback(export={"kind": "hf", "tensor_paralel": 2}),
+     r"Unknown export field\(s\) 'tensor_paralel' \(did you mean 'tensor_parallel'\?\)"),
+    ("distillation field", lambda: FP4QATCallback(distillation={"alfa": 0.5}),
+     r"Unknown distillation field\(s\) 'alfa' \(did you mean 'alpha'\?\)"),
+    ("policy dict field", lambda: FP4QATCallback(policy={"rule": []}),
+     r"Unknown policy field\(s\) 'rule' \(did you mean 'rules'"),
+    ("policy preset typo", lambda: FP4QATCallback(policy="defualt"), r"did you mean 'default'"),
+    ("monitor threshold", lambda: QuantizationMonitor(thresholds={"max_weight_rel_eror": 1}),
+     r"Unknown monitor thresholds field.*did you mean .max_weight_rel_err."),
+    ("config dict field", lambda: FP4QATCallback.from_config({"polcy": "default"}),
+     r"'polcy' \(did you mean 'policy'\?\)"),
     ("export TP sign", lambda: ExportConfig(kind="trtllm", tensor_parallel=-1), r"tensor_parallel must be >= 1"),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize(("build", "message"), [c[1:] for c in BAD], ids=[c[0] for c in BAD])
 def test_bad_configuration_is_refused_at_construction(build, message):
-    with pytest.raises((ValueError, TypeError, FileNotFoundError), match=message):
+    with pytest.raises((ValueError, TypeError, FileNotFoundError), match=message) as raised:
         build()
+    if "field" in message and "Unknown" in message:  # unknown fields are ConfigErrors, never TypeErrors
+        assert isinstance(raised.value, ConfigError)
 
 
 def test_empty_calibration_data_is_refused_before_training():

@@ -206,5 +206,9 @@ def test_resolve_spec_reads_counts_dicts_and_configs():
         "calibration=True is not understood; give a sample count (e.g. calibration=256), a dict of "
         "CalibrationConfig fields (e.g. {'num_samples': 256}) or a CalibrationConfig."
     )
-    with pytest.raises(ValueError, match=r"Unknown calibration field\(s\) \['samples'\]; CalibrationConfig has"):
+    with pytest.raises(
+        ValueError,
+        match=r"Unknown calibration field\(s\) 'samples' \(did you mean 'num_samples'\?\); "
+        r"CalibrationConfig has: num_samples",
+    ):
         CalibrationConfig.resolve_spec({"samples": 3})
