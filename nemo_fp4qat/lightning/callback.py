@@ -70,8 +70,9 @@ class FP4QATCallback(pl.Callback):
             :func:`nemo_fp4qat.export.export_checkpoint` (validated, atomic).
         export: :class:`~nemo_fp4qat.export.ExportConfig` or dict (kind ``"hf"``/``"trtllm"``,
             runtime, tensor_parallel ...); default: a unified HF checkpoint for TensorRT-LLM.
-        cuda_nvfp4_kernel: ``"exact"`` (default: NVFP4 on CUDA tensors rounds as the exporter does) or
-            ``"modelopt"`` (modelopt's own Triton kernel); set process-wide when the callback is set up.
+        cuda_nvfp4_kernel: ``"exact"`` (NVFP4 on CUDA tensors rounds as the exporter does), ``"modelopt"``
+            (modelopt's own Triton kernel), or ``None`` (default: ``NEMO_FP4QAT_CUDA_NVFP4``, else exact); set
+            process-wide from setup to teardown.
     """
 
     def __init__(
@@ -101,13 +102,7 @@ class FP4QATCallback(pl.Callback):
             export=export,
             cuda_nvfp4_kernel=cuda_nvfp4_kernel,
         )
-        self.controller = QATController(
-            policy=policy,
-            schedule=schedule,
-            calibration=calibration,
-            share_fused_amax=share_fused_amax,
-            forward_fn=forward_fn,
-        )
+        self.controller = QATController.from_config(self.config, forward_fn=forward_fn)
         self.export_dir = export_dir
         self._train_ended = False  # on_train_end ran in this fit (see on_fit_end)
         self.export = self._check_export(export)
@@ -117,6 +112,7 @@ class FP4QATCallback(pl.Callback):
         self.distillation = DistillationConfig.resolve_spec(distillation)
         self.distiller: Distiller | None = None
         self._prepared = False
+        self._kernel_before: str | None = None
         self.patches = MethodPatches()
 
     @classmethod
@@ -211,7 +207,8 @@ class FP4QATCallback(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        set_cuda_nvfp4_kernel(self.config.cuda_nvfp4_kernel)
+        if self.config.cuda_nvfp4_kernel is not None:
+            self._kernel_before = set_cuda_nvfp4_kernel(self.config.cuda_nvfp4_kernel)
         if self.controller.total_steps is None and trainer.max_steps and trainer.max_steps > 0:
             self.controller.total_steps = int(trainer.max_steps)
 
@@ -242,8 +239,11 @@ class FP4QATCallback(pl.Callback):
         self.patches.patch(pl_module, "configure_model", configure)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Put back every method this callback wrapped (see :mod:`nemo_fp4qat.lightning.patches`)."""
+        """Put back every method this callback wrapped (see :mod:`nemo_fp4qat.lightning.patches`), and the CUDA
+        NVFP4 kernel setting."""
         self.patches.restore()
+        if self.config.cuda_nvfp4_kernel is not None:
+            set_cuda_nvfp4_kernel(self._kernel_before)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         ctl = self.controller

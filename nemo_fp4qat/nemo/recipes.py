@@ -2,40 +2,69 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ..qat.config import QATConfig
+from ..specs import from_fields
 
 __all__ = ["with_fp4_qat"]
 
 
 def with_fp4_qat(
     recipe: Any,
-    policy: str | dict = QATConfig.policy,
-    schedule: str | dict = QATConfig.schedule,
-    calibration: int | dict = QATConfig.calibration,
-    distillation: bool | dict | None = QATConfig.distillation,
+    policy: Any = QATConfig.policy,
+    schedule: Any = QATConfig.schedule,
+    calibration: Any = QATConfig.calibration,
+    distillation: Any = QATConfig.distillation,
+    share_fused_amax: bool = QATConfig.share_fused_amax,
+    log_every_n_steps: int = QATConfig.log_every_n_steps,
+    export_dir: str | None = QATConfig.export_dir,
+    export: Any = QATConfig.export,
+    cuda_nvfp4_kernel: str | None = QATConfig.cuda_nvfp4_kernel,
     monitor: bool | dict = False,
+    config: QATConfig | dict | None = None,
 ) -> Any:
-    """Append ``NeMoFP4QATCallback`` (and optionally ``QuantizationMonitor``) to ``recipe.trainer``'s
-    callbacks as ``run.Config`` objects, so the recipe stays serializable for NeMo-Run, and make the recipe's
-    ``AutoResume`` a :class:`~nemo_fp4qat.nemo.QATAutoResume` (same arguments: it also resumes a run killed
-    while writing its first checkpoint). Returns the recipe (changed in place). The arguments are checked now
-    (:class:`QATConfig`), not when the job starts."""
+    """Add FP4 QAT to a NeMo 2 recipe.
+
+    Appends ``NeMoFP4QATCallback`` (and optionally ``QuantizationMonitor``) to ``recipe.trainer``'s callbacks as
+    ``run.Config`` objects, so the recipe stays serializable for NeMo-Run, and makes the recipe's ``AutoResume`` a
+    :class:`~nemo_fp4qat.nemo.QATAutoResume` (it also resumes a run killed while writing its first checkpoint).
+
+    Args:
+        recipe: a NeMo 2 recipe (``llm.<model>.finetune_recipe(...)`` / ``pretrain_recipe``), changed in place.
+        policy, schedule, calibration, distillation, share_fused_amax, log_every_n_steps, export_dir, export,
+            cuda_nvfp4_kernel: the :class:`QATConfig` fields.
+        monitor: ``True`` or a dict of ``QuantizationMonitor`` arguments to add the monitor.
+        config: a whole :class:`QATConfig` (or a dict of its fields) instead of the field arguments.
+
+    Returns:
+        The recipe.
+
+    Raises:
+        ConfigError: a bad field, now rather than when the job starts.
+
+    Example:
+        >>> recipe = with_fp4_qat(llm.llama3_8b.finetune_recipe(...), policy="default", distillation=True)
+    """
     import nemo_run as run
     from nemo.lightning import AutoResume
 
     from ..lightning.monitor import QuantizationMonitor
     from .callback import NeMoFP4QATCallback
 
-    QATConfig(policy=policy, schedule=schedule, calibration=calibration, distillation=distillation)
+    if config is None:
+        config = QATConfig(policy=policy, schedule=schedule, calibration=calibration, distillation=distillation,
+                           share_fused_amax=share_fused_amax, log_every_n_steps=log_every_n_steps,
+                           export_dir=export_dir, export=export, cuda_nvfp4_kernel=cuda_nvfp4_kernel)  # fmt: skip
+    elif not isinstance(config, QATConfig):
+        config = from_fields(QATConfig, config, "QATConfig")
+    # only what differs from the defaults goes into the recipe (what a reader of the job's config sees)
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(QATConfig)}
+    changed = {k: v for k, v in fields.items() if v != getattr(QATConfig(), k)}
     trainer = recipe.trainer
     callbacks = list(trainer.callbacks or [])
-    callbacks.append(
-        run.Config(
-            NeMoFP4QATCallback, policy=policy, schedule=schedule, calibration=calibration, distillation=distillation
-        )
-    )
+    callbacks.append(run.Config(NeMoFP4QATCallback, **changed))
     if monitor:
         callbacks.append(run.Config(QuantizationMonitor, **(monitor if isinstance(monitor, dict) else {})))
     trainer.callbacks = callbacks

@@ -30,11 +30,22 @@ def fp4qat(
     policy: str = QATConfig.policy,
     schedule: str = QATConfig.schedule,
     calibration: int = QATConfig.calibration,
+    distillation: str | None = QATConfig.distillation,
+    share_fused_amax: bool = QATConfig.share_fused_amax,
+    log_every_n_steps: int = QATConfig.log_every_n_steps,
+    export_dir: str | None = QATConfig.export_dir,
+    export_kind: str = "trtllm",
+    export_tensor_parallel: int = 1,
+    cuda_nvfp4_kernel: str | None = QATConfig.cuda_nvfp4_kernel,
     monitor_every_n_steps: int = 0,
-    export_dir: str | None = None,
 ) -> list[pl.Callback]:
-    """The QAT callback, and the quantization monitor when ``monitor_every_n_steps > 0``."""
-    qat = NeMoFP4QATCallback(policy=policy, schedule=schedule, calibration=calibration, export_dir=export_dir)
+    """The QAT callback (every :class:`QATConfig` field; ``export`` as ``export_kind`` / ``export_tensor_parallel``,
+    which a command line can give), and the quantization monitor when ``monitor_every_n_steps > 0``."""
+    qat = NeMoFP4QATCallback(policy=policy, schedule=schedule, calibration=calibration, distillation=distillation,
+                             share_fused_amax=share_fused_amax, log_every_n_steps=log_every_n_steps,
+                             export_dir=export_dir,
+                             export={"kind": export_kind, "tensor_parallel": export_tensor_parallel},
+                             cuda_nvfp4_kernel=cuda_nvfp4_kernel)  # fmt: skip
     monitor = QuantizationMonitor(every_n_steps=monitor_every_n_steps)
     # fiddle's auto_config (run.autoconvert) allows neither if-statements nor builtin calls:
     # repeat the monitor 0 or 1 times (a bool is 0 or 1)

@@ -39,9 +39,10 @@ class QATConfig:
         log_every_n_steps: how often per-group bits are logged.
         export_dir: export the trained model there at the end of training.
         export: export options (kind, runtime, tensor_parallel ...), dict or ``ExportConfig``.
-        cuda_nvfp4_kernel: NVFP4 fake quant of CUDA tensors: ``"exact"`` (a Triton kernel that rounds as
-            modelopt's exporter does, so the trained weights are the deployed ones) or ``"modelopt"``
-            (modelopt's own Triton kernel). CPU tensors always use the exact CPU kernels.
+        cuda_nvfp4_kernel: NVFP4 fake quant of CUDA tensors during the run: ``"exact"`` (a Triton kernel that
+            rounds as modelopt's exporter does, so the trained weights are the deployed ones), ``"modelopt"``
+            (modelopt's own Triton kernel), or ``None``: ``NEMO_FP4QAT_CUDA_NVFP4``, else ``"exact"``. CPU
+            tensors always use the exact CPU kernels.
     """
 
     policy: Any = "default"
@@ -52,14 +53,14 @@ class QATConfig:
     log_every_n_steps: int = 1
     export_dir: str | None = None
     export: Any = None
-    cuda_nvfp4_kernel: str = "exact"
+    cuda_nvfp4_kernel: str | None = None
 
     def __post_init__(self) -> None:
         policy = LayerPolicy.resolve_spec(self.policy)
         PrecisionSchedule.resolve_spec(self.schedule).validate_for(policy.target_format)
         CalibrationConfig.resolve_spec(self.calibration)
         DistillationConfig.resolve_spec(self.distillation)
-        if self.cuda_nvfp4_kernel not in CUDA_NVFP4_KERNELS:
+        if self.cuda_nvfp4_kernel is not None and self.cuda_nvfp4_kernel not in CUDA_NVFP4_KERNELS:
             raise ValueError(
                 f"cuda_nvfp4_kernel={self.cuda_nvfp4_kernel!r}: use one of {list(CUDA_NVFP4_KERNELS)} ('exact' trains "
                 "with the exporter's rounding, 'modelopt' with modelopt's own Triton kernel)"

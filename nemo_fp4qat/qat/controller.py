@@ -95,6 +95,21 @@ class QATController:
         self._hooks: dict[str, Any] = {}
         self._old_quantizers: dict[str, nn.Module] = {}
 
+    @classmethod
+    def from_config(cls, config: QATConfig, forward_fn: Callable[[nn.Module, Any], Any] | None = None) -> QATController:
+        """The controller of a :class:`QATConfig` (its policy, schedule, calibration and fused-amax setting).
+
+        Example:
+            >>> ctl = QATController.from_config(QATConfig(policy="default"), forward_fn=lambda m, b: m(b))
+        """
+        return cls(
+            policy=config.policy,
+            schedule=config.schedule,
+            calibration=config.calibration,
+            share_fused_amax=config.share_fused_amax,
+            forward_fn=forward_fn,
+        )
+
     # --- set-up -------------------------------------------------------------------------------
     def resolve(self, model: nn.Module) -> PolicyTable:
         self.table = self.policy.resolve(model)

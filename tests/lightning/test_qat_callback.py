@@ -240,3 +240,26 @@ def test_wrapped_methods_are_restored_at_teardown_and_wrapped_once_per_fit(tmp_p
         if original_mix is not None:
             assert len(calls) == 2, "the QAD loss mixes once per step, not once per wrapper"
     assert not cb.patches.is_patched(lit, "training_step")
+
+
+def test_the_cuda_nvfp4_kernel_is_the_configs_during_fit_and_put_back_after(monkeypatch):
+    """``cuda_nvfp4_kernel`` is in force from setup to teardown (what a CUDA tensor's NVFP4 fake quant uses), then
+    the setting before the run is back; without it the environment decides."""
+    from nemo_fp4qat.numerics import cpu_backend
+
+    monkeypatch.setattr(cpu_backend, "_CUDA_NVFP4_KERNEL", None)
+    monkeypatch.setenv("NEMO_FP4QAT_CUDA_NVFP4", "exact")
+    seen = []
+
+    class Probe(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(cpu_backend.cuda_nvfp4_kernel())
+
+    cb = FP4QATCallback(policy="fp_embeddings", calibration=16, cuda_nvfp4_kernel="modelopt")
+    _trainer([cb, Probe()], 2).fit(LitLM(MegatronStyleGPT()), loader())
+    assert seen == ["modelopt", "modelopt"] and cpu_backend.cuda_nvfp4_kernel() == "exact"
+    seen.clear()
+    _trainer([FP4QATCallback(policy="fp_embeddings", calibration=16), Probe()], 1).fit(
+        LitLM(MegatronStyleGPT()), loader()
+    )
+    assert seen == ["exact"]

@@ -155,6 +155,7 @@ def test_exact_kernel_is_what_cuda_tensors_get(monkeypatch):
 
 
 def test_kernel_choice_is_checked_and_read_from_the_environment(monkeypatch):
+    monkeypatch.setattr(cpu_backend, "_CUDA_NVFP4_KERNEL", None)  # no setting in force: the environment decides
     with pytest.raises(ValueError, match=r"'exact'.*'modelopt'"):
         cpu_backend.set_cuda_nvfp4_kernel("fast")
     monkeypatch.setenv("NEMO_FP4QAT_CUDA_NVFP4", "modelopt")

@@ -27,16 +27,27 @@ def test_entry_points_take_their_defaults_from_qatconfig(entry):
     assert {f: defaults[f] for f in shared} == {f: getattr(QATConfig(), f) for f in shared}
 
 
+@pytest.mark.parametrize("entry", [FP4QATCallback, with_fp4_qat], ids=lambda e: e.__name__)
+def test_entry_points_accept_every_field(entry):
+    assert set(FIELDS) <= set(inspect.signature(entry).parameters)
+
+
+def test_the_controller_is_built_from_the_config():
+    cfg = QATConfig(policy="aggressive_mlp", schedule="progressive", calibration=32, share_fused_amax=False)
+    ctl = QATController.from_config(cfg)
+    assert (ctl.policy.name, ctl.schedule.name, ctl.calibration.num_samples, ctl.share_fused_amax) == (
+        "aggressive_mlp", "progressive", 32, False)  # fmt: skip
+    assert FP4QATCallback.from_config(cfg).controller.policy.name == "aggressive_mlp"
+
+
 def test_nemo_run_factory_defaults_are_qatconfig():
     pytest.importorskip("nemo_run")
     from nemo_fp4qat.nemo.run_factories import fp4qat
 
     defaults = _defaults(fp4qat.__wrapped__ if hasattr(fp4qat, "__wrapped__") else fp4qat)
-    assert (defaults["policy"], defaults["schedule"], defaults["calibration"]) == (
-        QATConfig.policy,
-        QATConfig.schedule,
-        QATConfig.calibration,
-    )
+    shared = [f for f in FIELDS if f in defaults]
+    assert {f: defaults[f] for f in shared} == {f: getattr(QATConfig(), f) for f in shared}
+    assert set(FIELDS) - {"export"} <= set(defaults) and {"export_kind", "export_tensor_parallel"} <= set(defaults)
 
 
 def test_callback_builds_the_config_and_from_config_round_trips():
