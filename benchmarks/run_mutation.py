@@ -22,7 +22,7 @@ the test that kills them (``benchmarks/mutation_equivalent.json``).
 
 mutmut 3 does not mutate decorated functions (any decorator but ``staticmethod`` / ``classmethod``, at any
 depth): the targets' functions take ``with torch.no_grad():`` as a block instead of ``@torch.no_grad()``
-(``block_scale_search.py``), and the serving rules live in ``serve/validation.py`` as plain functions,
+(``block_scale_search.py``), and the serving rules live in ``serve/refusals.py`` as plain functions,
 because every FastAPI route is decorated.
 
 The two-rank gloo test of the amax sync runs rank 0 in the test process, where mutmut sees which functions
@@ -80,8 +80,8 @@ TARGETS: dict[str, dict] = {
                              "tests/export/test_export.py::test_fp8_kv_cache_is_exported",
                              "tests/lightning/test_monitor.py::test_rollback_action_moves_the_group_back_one_stage"]},
     # the rules at their limits (fast, direct), and the HTTP tests that meet each refusal through a server
-    "serve_validation": {"module": "nemo_fp4qat/serve/validation.py",
-                         "tests": ["tests/serve/test_validation.py",
+    "serve_validation": {"module": "nemo_fp4qat/serve/refusals.py",
+                         "tests": ["tests/serve/test_refusals.py",
                                    "tests/serve/test_serve.py::test_bad_requests_get_4xx_naming_the_field",
                                    "tests/serve/test_serve.py::test_api_key_on_every_endpoint_but_health",
                                    "tests/serve/test_serve_openai.py::test_errors_the_client_sees",

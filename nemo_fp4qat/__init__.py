@@ -19,7 +19,7 @@ _EXPORTS = {
     "ConfigError": ".specs",
     "FP4QATCallback": ".lightning.callback",
     "FP4QATMixin": ".lightning.mixin",
-    "QuantizationMonitor": ".lightning.monitor",
+    "QuantizationMonitor": ".lightning.monitor_callback",
     "Finding": ".monitor",
     "MonitorThresholds": ".monitor",
     "analyze_model": ".monitor",

@@ -253,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key-file", help="file holding the bearer token required on every endpoint but /health")
-    s.add_argument("--backend", default="auto", choices=["auto", "pytorch", "tensorrt_llm"])
+    s.add_argument("--backend", default="auto", choices=["auto", "pytorch", "trtllm"])
     s.add_argument("--max-prompt-tokens", type=int, default=1024)
     s.add_argument("--max-tokens", type=int, default=256, help="upper limit for a request's max_tokens")
     s.add_argument("--max-batch-size", type=int, default=8)

@@ -168,7 +168,7 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float) -> int:
     from ..eval.evaluation import evaluate
     from ..eval.gate import write_report
     from ..lightning.callback import FP4QATCallback
-    from ..lightning.monitor import QuantizationMonitor
+    from ..lightning.monitor_callback import QuantizationMonitor
     from ..qat.controller import QATController
     from .model import load_corpus, load_smollm2
 

@@ -1,5 +1,5 @@
 """Quantization quality: per-layer analysis, problem rules and reports (no Lightning; hooks live in
-:mod:`nemo_fp4qat.lightning.monitor`)."""
+:mod:`nemo_fp4qat.lightning.monitor_callback`)."""
 
 from .analysis import analyze_model
 from .findings import ACTIONS, SUGGESTIONS, Finding, MonitorThresholds, check_layer

@@ -50,7 +50,7 @@ def with_fp4_qat(
     import nemo_run as run
     from nemo.lightning import AutoResume
 
-    from ..lightning.monitor import QuantizationMonitor
+    from ..lightning.monitor_callback import QuantizationMonitor
     from .callback import NeMoFP4QATCallback
 
     if config is None:

@@ -17,7 +17,7 @@ extends the recipe's callback list with the list a factory returns::
 import lightning.pytorch as pl
 import nemo_run as run
 
-from ..lightning.monitor import QuantizationMonitor
+from ..lightning.monitor_callback import QuantizationMonitor
 from ..qat.config import QATConfig
 from .callback import NeMoFP4QATCallback
 

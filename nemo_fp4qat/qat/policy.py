@@ -11,6 +11,7 @@ users print and that drives the modelopt config.
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -133,7 +134,7 @@ POLICY_PRESETS: dict[str, dict[str, Any]] = {
     # highest precision TensorRT-LLM serves beside NVFP4 in one MIXED_PRECISION checkpoint), MLP in
     # NVFP4, embeddings / output layer / norms / routers in full precision.
     "default": _FP8_ATTENTION_NVFP4_MLP,
-    # The same formats under the name earlier releases used for them.
+    # The same formats under the name earlier releases used for them (warns: see _OLD_NAMES).
     "trtllm_mixed": _FP8_ATTENTION_NVFP4_MLP,
     # Keep embeddings, the output layer, norms and MoE routers in full precision; NVFP4 elsewhere.
     "fp_embeddings": {"rules": [_EMBED_OUT_NORM], "default": "nvfp4", "runtime": "trtllm"},
@@ -152,6 +153,8 @@ POLICY_PRESETS: dict[str, dict[str, Any]] = {
     # are about half of the FP4 perplexity loss (benchmarks/RESULTS.md), which this keeps out.
     "nvfp4_w4a8": _attention_mlp("fp8", mlp_input="fp8", default="fp8"),
 }
+# preset names kept for existing configs -> the name to use
+_OLD_NAMES = {"trtllm_mixed": "default"}
 TRTLLM_PRESETS = tuple(n for n, p in POLICY_PRESETS.items() if p["runtime"] == "trtllm")
 
 
@@ -247,6 +250,12 @@ class LayerPolicy:
     # --- construction -------------------------------------------------------------------------
     @classmethod
     def preset(cls, name: str) -> LayerPolicy:
+        if name in _OLD_NAMES:
+            warnings.warn(
+                f"policy {name!r} is the {_OLD_NAMES[name]!r} policy under its older name; use {_OLD_NAMES[name]!r}",
+                FutureWarning,
+                stacklevel=3,
+            )
         if name not in POLICY_PRESETS:
             raise ConfigError(
                 f"Unknown policy preset {name!r}{did_you_mean(name, POLICY_PRESETS)}; presets: "

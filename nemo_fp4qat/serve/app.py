@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .generation import GenerationRow, SamplingParams
-from .validation import (
+from .refusals import (
     APIError,
     BodySizeLimit,
     chat_max_tokens,

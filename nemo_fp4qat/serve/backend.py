@@ -97,7 +97,7 @@ class PyTorchBackend:
 class TRTLLMBackend:
     """TensorRT-LLM's LLM API over the export directory (GPU machines only)."""
 
-    name = "tensorrt_llm"
+    name = "trtllm"
 
     def __init__(self, export_dir: str | Path) -> None:
         from tensorrt_llm import LLM  # optional: GPU machines only
@@ -135,14 +135,17 @@ class TRTLLMBackend:
 
 
 def load_backend(export_dir: str | Path, backend: str = "auto") -> PyTorchBackend | TRTLLMBackend:
-    """``auto``: TensorRT-LLM when importable and a GPU is present, else the PyTorch CPU backend."""
-    if backend in ("auto", "tensorrt_llm"):
+    """``auto``: TensorRT-LLM when importable and a GPU is present, else the PyTorch CPU backend; ``trtllm`` (the
+    spelling of TensorRT-LLM everywhere in this plugin: runtimes, export kinds) or ``pytorch`` to choose."""
+    if backend not in ("auto", "trtllm", "pytorch"):
+        raise ValueError(f"backend={backend!r}: use 'auto', 'trtllm' (TensorRT-LLM's LLM API, GPUs) or 'pytorch'")
+    if backend in ("auto", "trtllm"):
         try:
             import tensorrt_llm  # noqa: F401
 
             if torch.cuda.is_available():
                 return TRTLLMBackend(export_dir)
         except ImportError:
-            if backend == "tensorrt_llm":
+            if backend == "trtllm":
                 raise
     return PyTorchBackend(export_dir)

@@ -134,3 +134,9 @@ def test_default_deploys_to_tensorrt_llm_and_the_mxfp8_preset_says_it_does_not()
     assert "conservative_attention" not in TRTLLM_PRESETS
     with pytest.raises(ValueError, match="runtime='tensorrt'.*'trtllm'"):
         LayerPolicy(runtime="tensorrt")
+
+
+def test_the_old_name_of_the_default_policy_warns_and_is_the_default():
+    with pytest.warns(FutureWarning, match="'trtllm_mixed' is the 'default' policy under its older name"):
+        old = LayerPolicy.resolve_spec("trtllm_mixed")
+    assert old.rules == LayerPolicy.resolve_spec("default").rules

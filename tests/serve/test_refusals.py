@@ -1,4 +1,4 @@
-"""The serving API's refusals (``serve/validation.py``) at their limits: one under passes, one over is refused
+"""The serving API's refusals (``serve/refusals.py``) at their limits: one under passes, one over is refused
 with the status, error type, field and message a client acts on. The HTTP tests (test_serve*.py) show the
 same refusals through a running server; here each rule is pinned at its boundary, and the body-size
 middleware runs under a real ASGI app (httpx's ASGI transport: no socket, the same messages a server sends)."""
@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 
 from nemo_fp4qat.serve import ServeSettings
 from nemo_fp4qat.serve.app import Metrics
-from nemo_fp4qat.serve.validation import (
+from nemo_fp4qat.serve.refusals import (
     APIError,
     BodySizeLimit,
     chat_max_tokens,
