@@ -328,20 +328,45 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float) -> int:
 def _details_to_file(path: Path) -> Iterator[TextIO]:
     """Lightning's and the plugin's INFO messages (policy tables, monitor tables, set-up notes) go to
     ``path`` at DEBUG and up instead of the terminal, which keeps the stages, the table and the
-    progress bars; warnings still reach both."""
+    progress bars; their warnings still reach both. The libraries' own notes go to the file only: transformers'
+    and modelopt's log messages, Python warnings raised inside installed packages (modelopt's export notes),
+    and transformers' progress bars (the one-time GGUF conversion) are off."""
     handler = logging.FileHandler(path, mode="w")
     handler.setLevel(logging.DEBUG)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
-    loggers = [logging.getLogger(n) for n in ("lightning.pytorch", "lightning.fabric", "nemo_fp4qat")]
+    # imported first: both add their own stream handlers when imported, which must be quieted here
+    import lightning.pytorch  # noqa: F401
+    import transformers
+
+    loggers = [logging.getLogger(n) for n in ("lightning.pytorch", "lightning.fabric", "nemo_fp4qat", "transformers")]
     saved = [(lg, lg.level, [(h, h.level) for h in lg.handlers]) for lg in loggers]
     for lg in loggers:
         for h in lg.handlers:
-            h.setLevel(max(h.level, logging.WARNING))
+            h.setLevel(max(h.level, logging.ERROR if lg.name == "transformers" else logging.WARNING))
         lg.addHandler(handler)
         lg.setLevel(logging.DEBUG)
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()
+    modelopt_log = logging.getLogger("modelopt")  # no handler of its own: its warnings would reach stderr
+    modelopt_log.addHandler(handler)
+    modelopt_log.propagate = False
+    show = warnings.showwarning
+
+    def show_library_warnings_in_the_file(message, category, filename, lineno, file=None, line=None):
+        if "site-packages" in str(filename):
+            handler.stream.write(warnings.formatwarning(message, category, filename, lineno, line))
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show_library_warnings_in_the_file
     try:
         yield handler.stream
     finally:
+        warnings.showwarning = show
+        modelopt_log.removeHandler(handler)
+        modelopt_log.propagate = True
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
         for lg, level, handlers in saved:
             lg.removeHandler(handler)
             lg.setLevel(level)
