@@ -40,16 +40,10 @@ test-core: $(CORE)/.stamp
 	$(CORE)/bin/python -m pytest -q -m "not nemo" tests
 
 # The nemo environment reruns what its modelopt (0.37) changes: quantizers, calibration, QAT, export, and the NeMo
-# tests. Run once, in core: tests/demo (`make demo`'s pipeline only ever runs there), the Lightning kill/resume
-# subset (make reliability runs every point on both paths), and serving and evaluation, which read exports and
-# models through the plugin's own code (unpacker, deployed model, perplexity); that 0.37's exports deploy
-# is tested here by tests/export (validated, evaluated as deployed). The cross-rank amax sync under 0.37 is
-# tested here by the NeMo two-process runs (data- and tensor-parallel, real NeMo ranks), so the plain-torch
-# sync tests (tests/qat/test_amax_sync.py, tests/lightning/test_ddp.py) run in core only.
+# tests (marker `nemo`, which must run there). Tests marked `core_only` run in core only (each says why beside the
+# marker: the demo, serving and evaluation read through the plugin's own code; plain-torch rank tests; triton).
 test-nemo: $(NEMO)/.stamp
-	NEMO_FP4QAT_REQUIRE_NEMO=1 $(NEMO)/bin/python -m pytest -q tests --ignore=tests/demo \
-		--ignore=tests/lightning/test_kill_resume.py --ignore=tests/serve --ignore=tests/eval \
-		--ignore=tests/qat/test_amax_sync.py --ignore=tests/lightning/test_ddp.py --ignore=tests/test_gpu_check.py
+	NEMO_FP4QAT_REQUIRE_NEMO=1 $(NEMO)/bin/python -m pytest -q -m "not core_only" tests
 
 # The two environments build side by side (pip is mostly single-threaded unpacking), then the suites run one
 # after the other (each uses both cores).

@@ -10,6 +10,9 @@ import sys
 
 import pytest
 
+# core environment only: `make demo`'s pipeline runs in the core environment only
+pytestmark = pytest.mark.core_only
+
 
 @pytest.mark.slow
 def test_demo_prints_five_stages_and_writes_the_details_to_files(tmp_path):

@@ -15,6 +15,9 @@ import torch.nn as nn
 from nemo_fp4qat.eval.evaluation import multiple_choice_accuracy, perplexity, quantized_weight_memory
 from nemo_fp4qat.eval.gate import QualityGate, recovery, write_report
 
+# core environment only: evaluation reads models through the plugin's own code, tested once
+pytestmark = pytest.mark.core_only
+
 
 class Bigram(nn.Module):
     """logits[t] = table[token[t]]: next-token probabilities known in closed form."""

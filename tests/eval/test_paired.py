@@ -11,6 +11,9 @@ import pytest
 
 from nemo_fp4qat.eval.paired import paired_difference
 
+# core environment only: evaluation reads models through the plugin's own code, tested once
+pytestmark = pytest.mark.core_only
+
 
 def _mcnemar_exact(only_a: int, only_b: int) -> float:
     m, k = only_a + only_b, min(only_a, only_b)
