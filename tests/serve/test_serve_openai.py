@@ -8,9 +8,10 @@ import time
 import pytest
 import torch
 
-openai = pytest.importorskip("openai")
+pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 import httpx
+import openai
 
 from nemo_fp4qat import QATController
 from nemo_fp4qat.demo.model import load_corpus, load_smollm2
