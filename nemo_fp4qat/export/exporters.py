@@ -17,10 +17,12 @@ with the trained model's fake-quantized weights; only then does the directory ap
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,10 +57,12 @@ class ExportConfig:
         runtime: ``"trtllm"`` refuses formats TensorRT-LLM has no kernel for; ``"pytorch"`` allows
             anything modelopt exports (this plugin's server unpacks it).
         tensor_parallel: inference tensor-parallel size (``"trtllm"`` kind only).
-        dtype: dtype of the unquantized tensors (embeddings, norms, lm_head); None keeps the model's
-            (``"trtllm"``: a float32 model's are written in bfloat16, the widest dtype TensorRT-LLM checkpoints
-            take; modelopt's own fallback would be float16). modelopt casts before packing, so a dtype other than
-            the training dtype changes rounding (validation then reports the FP4 codes that moved).
+        dtype: dtype of the unquantized tensors (embeddings, norms, lm_head); None keeps the model's.
+            ``"trtllm"`` checkpoints hold 16-bit tensors only (what TensorRT-LLM's kernels take; modelopt writes
+            nothing else): a bfloat16 or float16 model's are written in its own dtype, exactly; a float32 model's
+            in float16, whose 10 mantissa bits round them less than bfloat16's 7 (the unified HF checkpoint keeps
+            float32). modelopt casts before packing, so a dtype other than the training dtype changes rounding
+            (validation then reports the FP4 codes that moved).
         decoder_type: modelopt decoder type for ``"trtllm"`` (``"llama"``, ``"gpt"`` ...); inferred if None.
         overwrite: replace an existing directory (only once the new export is complete).
         validate: re-read and check the written checkpoint against the model before publishing it.
@@ -86,9 +90,9 @@ class ExportConfig:
             raise ValueError(f"Unknown dtype {self.dtype!r}; choose one of {', '.join(_DTYPES)}.")
         if self.kind == "trtllm" and self.dtype == "float32":
             raise ValueError(
-                "dtype='float32' for a TensorRT-LLM checkpoint: modelopt writes TensorRT-LLM checkpoints in float16 or "
-                "bfloat16 only (it would silently use float16); use dtype='bfloat16' (or None, which keeps a bf16/fp16 "
-                "model's dtype and writes a float32 model's in bfloat16), or kind='hf', which keeps float32."
+                "dtype='float32' for a TensorRT-LLM checkpoint: TensorRT-LLM checkpoints hold float16 or bfloat16 "
+                "tensors (modelopt would silently write float16); use dtype='float16' or 'bfloat16' (None keeps a "
+                "16-bit model's dtype and writes a float32 model's in float16), or kind='hf', which keeps float32."
             )
         if self.tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
@@ -105,7 +109,7 @@ def _dtype(model: nn.Module, cfg: ExportConfig) -> torch.dtype:
         return _DTYPES[cfg.dtype]
     trained = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     if cfg.kind == "trtllm" and trained not in (torch.float16, torch.bfloat16):
-        return torch.bfloat16  # what TensorRT-LLM takes that keeps float32's range (modelopt would pick float16)
+        return torch.float16  # the 16-bit dtype closest to float32 in range of these tensors (see ExportConfig)
     return trained
 
 
@@ -136,9 +140,36 @@ def _export_hf(model: nn.Module, out: Path, cfg: ExportConfig) -> None:
     # so the trained model stays usable (the training run may go on, or be evaluated after export).
     work = copy.deepcopy(model)
     _ensure_architectures(work)
-    with modelopt_export_on_cpu(), torch.inference_mode():
+    with modelopt_export_on_cpu(), _fp8_weights_divided_in_float32(), torch.inference_mode():
         export_hf_checkpoint(work, dtype=_dtype(model, cfg), export_dir=str(out))
     del work
+
+
+@contextlib.contextmanager
+def _fp8_weights_divided_in_float32() -> Iterator[None]:
+    """modelopt's unified HF exporter quantizes an FP8 weight as ``(weight / scale).to(float8)`` with a 0-d float32
+    scale, which PyTorch's type promotion computes in the weight's dtype: for a bfloat16 model the quotient is
+    rounded to bfloat16 before the E4M3 rounding, and about 3% of the codes land one E4M3 step away from the ones
+    training used (``fake_quant_fp8`` divides in float32, as modelopt's TensorRT-LLM exporter and the FP8 GEMM's
+    dequantization do). Inside the block that one division is done in float32; every other format goes to
+    modelopt's own function."""
+    from modelopt.torch.export import quant_utils, unified_export_hf
+
+    original = unified_export_hf.to_quantized_weight
+    fp8 = getattr(quant_utils, "QUANTIZATION_FP8", "fp8")
+
+    def to_quantized_weight(weight: torch.Tensor, weights_scaling_factor: torch.Tensor, quantization: str,
+                            *args: Any, **kwargs: Any) -> torch.Tensor:  # fmt: skip
+        sixteen_bit = weight.dtype in (torch.bfloat16, torch.float16)
+        if quantization == fp8 and sixteen_bit and weights_scaling_factor.dim() == 0:
+            return (weight.float() / weights_scaling_factor.float()).to(torch.float8_e4m3fn)
+        return original(weight, weights_scaling_factor, quantization, *args, **kwargs)
+
+    unified_export_hf.to_quantized_weight = to_quantized_weight
+    try:
+        yield
+    finally:
+        unified_export_hf.to_quantized_weight = original
 
 
 def _ensure_architectures(model: nn.Module) -> None:

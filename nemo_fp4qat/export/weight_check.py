@@ -46,16 +46,18 @@ def _qkv_rows(config: dict[str, Any]) -> torch.Tensor:
 
 
 def _fake_quant(mod: nn.Module) -> torch.Tensor | None:
+    """The trained fake-quantized weight, in the weight's own dtype (what training computed with)."""
     if getattr(mod, "weight_quantizer", None) is None:
         return None
     with torch.no_grad():
-        return mod.weight_quantizer(mod.weight.detach()).to(torch.float64)
+        return mod.weight_quantizer(mod.weight.detach())
 
 
 def model_reference(
     modules: dict[str, nn.Module], name: str, kind: str, config: dict[str, Any], names: set[str]
 ) -> torch.Tensor | None:
-    """The model's fake-quantized weight for exported module ``name`` (None: no counterpart)."""
+    """The model's fake-quantized weight for exported module ``name``, in its training dtype (None: no
+    counterpart)."""
     if name in modules:
         return _fake_quant(modules[name])
     if kind != "trtllm":
@@ -95,6 +97,15 @@ def resmoothed(modules: dict[str, nn.Module], name: str, t: dict[str, torch.Tens
 
 
 def compare_weights(rep: ValidationReport, mod: str, algo: str, t: dict[str, torch.Tensor], ref: torch.Tensor) -> None:
+    """Compare one exported layer with ``ref``, the trained fake-quantized weight in its training dtype.
+
+    A bfloat16 / float16 model trains on ``code * scale`` rounded to its dtype, so the comparison allows that
+    dtype's rounding (and no more): an FP4 code differs when ``ref / scale`` is further from the exported code's
+    E2M1 value than one unit in the last place of the dtype (grid points are at least 0.5 apart, so this cannot
+    mistake a neighbouring code for the trained one)."""
+    eps = torch.finfo(ref.dtype).eps if ref.is_floating_point() else 0.0
+    code_tol, value_tol = max(1e-5, eps), max(2e-6, eps)
+    ref = ref.to(torch.float64)
     num = rep.numeric
     try:
         got = dequantize_linear(t, algo)
@@ -112,12 +123,12 @@ def compare_weights(rep: ValidationReport, mod: str, algo: str, t: dict[str, tor
         else:
             s = e8m0_to_float(t["weight_scale"])
         s = s.repeat_interleave(codes.shape[-1] // s.shape[-1], dim=-1)
-        want = ref / s  # the model's E2M1 values (exact up to the fp32 rounding of q * s)
+        want = ref / s  # the model's E2M1 values (up to the rounding of q * s to fp32 and to the training dtype)
         # The exported code must name exactly the model's E2M1 value. E2M1 grid points are >= 0.5
         # apart, so a distance below 1e-5 relative means "same grid point", and anything else is a
         # different code or a model value off the grid (both errors). Zero scales carry no codes.
         code_values = E2M1_VALUES[codes]
-        differ = ((want - code_values).abs() > 1e-5 * code_values.abs().clamp_min(0.5)) & (s != 0)
+        differ = ((want - code_values).abs() > code_tol * code_values.abs().clamp_min(0.5)) & (s != 0)
         if algo.upper() in NVFP4_WEIGHT_ALGOS and bool(differ.any()):
             excused = _excuse_tiny_blocks(rep, mod, t, ref, differ)
             differ &= ~excused
@@ -133,9 +144,10 @@ def compare_weights(rep: ValidationReport, mod: str, algo: str, t: dict[str, tor
     denom = ref.abs().clamp_min(torch.finfo(torch.float32).tiny)
     rel = ((got - ref).abs() / denom).max().item() if ref.numel() else 0.0
     num["max_rel_error"] = max(num.get("max_rel_error", 0.0), rel)
-    if not math.isfinite(rel) or rel > 2e-6:
+    if not math.isfinite(rel) or rel > value_tol:
         rep.error(f"{mod}.weight", f"dequantized weights differ from the trained fake-quant weights (max rel error "
-                  f"{rel:.3g}, allowed 2e-6: the rounding of the scale product).")  # fmt: skip
+                  f"{rel:.3g}, allowed {value_tol:.3g}: the rounding of the scale product, and of the training "
+                  "dtype).")  # fmt: skip
 
 
 # modelopt's NVFP4 training kernels (Triton on GPUs; this plugin's CPU kernels follow them) give a

@@ -643,22 +643,25 @@ def test_an_optional_smoothing_scale_that_does_not_fit_is_named(tmp_path):
 
 
 # --- the unquantized tensors (embeddings, norms, lm_head) -----------------------------------------
-def test_trtllm_checkpoint_of_a_float32_model_is_bfloat16_and_its_unquantized_tensors_are_the_models(tmp_path):
-    """A float32-trained model's TensorRT-LLM checkpoint holds its embeddings, norms and lm_head in bfloat16 (what
-    TensorRT-LLM takes; modelopt alone would write float16), declared so in config.json, and each equals the
-    model's tensor rounded to bfloat16; float32 for a TensorRT-LLM checkpoint is refused by name."""
-    model = calibrated_tiny_llama("nvfp4")
+@pytest.mark.parametrize("trained", [torch.float32, torch.bfloat16], ids=str)
+def test_trtllm_checkpoints_unquantized_tensors_are_the_models_in_the_checkpoints_dtype(tmp_path, trained):
+    """A TensorRT-LLM checkpoint holds the embeddings, norms and lm_head of a bfloat16-trained model in bfloat16,
+    exactly, and a float32-trained model's in float16 (the closest 16-bit dtype; TensorRT-LLM checkpoints hold no
+    float32), declared so in config.json; each equals the model's tensor rounded once to that dtype. A
+    float32 TensorRT-LLM checkpoint is refused by name."""
+    model = calibrated_tiny_llama("nvfp4", dtype=trained)
     out = export_checkpoint(model, tmp_path / "trt", ExportConfig(kind="trtllm"))
-    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    want = torch.bfloat16 if trained == torch.bfloat16 else torch.float16
+    assert json.loads((out / "config.json").read_text())["dtype"] == str(want).replace("torch.", "")
     t = load_file(str(out / "rank0.safetensors"))
     norm = model.model.layers[1].post_attention_layernorm.weight
     for name, ref in [("transformer.vocab_embedding.weight", model.model.embed_tokens.weight),
                       ("transformer.layers.1.post_layernorm.weight", norm),
                       ("lm_head.weight", model.lm_head.weight)]:  # fmt: skip
-        assert t[name].dtype == torch.bfloat16 and torch.equal(t[name], ref.detach().bfloat16()), name
+        assert t[name].dtype == want and torch.equal(t[name], ref.detach().to(want)), name
     rep = validate_export(out, model=model)
     assert rep.ok and rep.numeric["unquantized_compared"] >= 2 + 2 * 2 and "unquantized_different" not in rep.numeric
-    with pytest.raises(ValueError, match="dtype='bfloat16'"):
+    with pytest.raises(ValueError, match="dtype='float16' or 'bfloat16'"):
         ExportConfig(kind="trtllm", dtype="float32")
 
 
@@ -675,3 +678,28 @@ def test_unquantized_tensors_that_differ_from_the_model_are_named(tmp_path, kind
     name = "model.layers.0.input_layernorm.weight" if kind == "hf" else "transformer.layers.0.input_layernorm.weight"
     assert "differs from the trained model's tensor" in errs[name]
     assert len([e for e in errs if "layernorm" in e]) == 1
+
+
+@pytest.mark.parametrize("policy", ["nvfp4", "default"])
+@pytest.mark.parametrize("kind", ["hf", "trtllm"])
+def test_a_bfloat16_model_validates_code_for_code_and_a_flipped_code_is_still_caught(tmp_path, kind, policy):
+    """A bfloat16 model (how models train on GPUs) trains on ``code * scale`` rounded to bfloat16: its exports
+    validate with every FP4 code equal, the comparison allowing exactly that rounding, and with every FP8 weight
+    as trained (the default policy's attention; modelopt's HF exporter alone would divide FP8 weights in bfloat16
+    and move about 3% of them by an E4M3 step); one FP4 code moved to its neighbour is still an error."""
+    model = calibrated_tiny_llama(policy, dtype=torch.bfloat16)
+    out = export_checkpoint(model, tmp_path / kind, ExportConfig(kind=kind))
+    report = validate_export(out, model=model)
+    assert report.ok and report.numeric["fp4_codes_compared"] > 0 and report.numeric["fp4_codes_different"] == 0
+    assert report.numeric["layers_compared"] == (14 if kind == "hf" else 10)
+    if kind != "hf" or policy != "nvfp4":
+        return
+    name = "model.layers.0.mlp.up_proj.weight"
+
+    def flip(t):
+        w = t[name].clone()
+        w.view(-1)[0] ^= 1  # the low nibble's code, one step along E2M1
+        t[name] = w
+
+    errs = _errors(validate_export(_corrupt(out, tmp_path / "bad", flip), model=model))
+    assert "FP4 codes differ" in errs[name]
