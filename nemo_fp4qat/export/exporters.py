@@ -221,9 +221,21 @@ def export_checkpoint(
 ) -> Path:
     """Export ``model`` (with modelopt quantizers) to ``out_dir``; returns the directory.
 
-    Raises :class:`~nemo_fp4qat.export.ExportRefused` before writing anything when the runtime
-    would reject the model, and :class:`ExportValidationError` (nothing published) when the
-    written checkpoint does not match the model.
+    Args:
+        model: the quantized model (a Hugging Face model for ``kind="hf"``; HF or megatron-core for ``"trtllm"``).
+        out_dir: the export directory, written atomically (a scratch sibling renamed at the end).
+        config: :class:`ExportConfig` or a dict of its fields (default: a unified HF checkpoint for TensorRT-LLM).
+        tokenizer: saved beside the checkpoint when given.
+        nemo_context: a NeMo model context directory, copied to ``nemo_context/`` (NeMo's qnemo layout).
+
+    Raises:
+        ExportRefused: before anything is written, when the runtime would reject the model.
+        ExportValidationError: nothing is published when the written checkpoint does not match the model.
+        ConfigError: an unknown or bad field in ``config``.
+        FileExistsError: ``out_dir`` exists and ``overwrite`` is not set.
+
+    Example:
+        >>> export_checkpoint(model, "out/qnemo", {"kind": "trtllm", "tensor_parallel": 2}, tokenizer=tok)
     """
     cfg = config if isinstance(config, ExportConfig) else from_fields(ExportConfig, dict(config or {}), "export")
     out = Path(out_dir)

@@ -73,6 +73,14 @@ class FP4QATCallback(pl.Callback):
         cuda_nvfp4_kernel: ``"exact"`` (NVFP4 on CUDA tensors rounds as the exporter does), ``"modelopt"``
             (modelopt's own Triton kernel), or ``None`` (default: ``NEMO_FP4QAT_CUDA_NVFP4``, else exact); set
             process-wide from setup to teardown.
+
+    Raises:
+        ConfigError: a bad or unknown field (a :class:`QATConfig` is built here, before any training), or an export
+            runtime the policy does not deploy to.
+
+    Example:
+        >>> trainer = pl.Trainer(callbacks=[FP4QATCallback(policy="default", distillation="qad", export_dir="out")])
+        >>> cb = FP4QATCallback.from_config(QATConfig(policy="aggressive_mlp", schedule="progressive"))
     """
 
     def __init__(

@@ -51,7 +51,15 @@ def _refuse_pipeline_parallel() -> None:
 
 
 class QuantizationMonitor(pl.Callback):
-    """Quantization-quality monitoring and automatic problem detection.
+    """Quantization-quality monitoring and automatic problem detection (beside :class:`FP4QATCallback`).
+
+    Example:
+        >>> pl.Trainer(callbacks=[FP4QATCallback(), QuantizationMonitor(every_n_steps=50, action="rollback")])
+
+    Raises:
+        ValueError: an unknown action or cadence (at construction); at the start of training under megatron
+            pipeline parallelism, which it does not support.
+        ConfigError: an unknown threshold field (at construction).
 
     Args:
         every_n_steps: measure every N optimizer steps (and at every stage switch).

@@ -43,6 +43,14 @@ class QATConfig:
             rounds as modelopt's exporter does, so the trained weights are the deployed ones), ``"modelopt"``
             (modelopt's own Triton kernel), or ``None``: ``NEMO_FP4QAT_CUDA_NVFP4``, else ``"exact"``. CPU
             tensors always use the exact CPU kernels.
+
+    Raises:
+        ConfigError: any field the plugin cannot use (resolved once here: unknown presets, YAML files, fields,
+            formats, a schedule that does not end in the policy's formats), naming the field and the fix.
+
+    Example:
+        >>> cfg = QATConfig(policy="default", schedule="direct", distillation="qad", export_dir="out/qnemo")
+        >>> FP4QATCallback.from_config(cfg); with_fp4_qat(recipe, config=cfg)  # doctest: +SKIP
     """
 
     policy: Any = "default"
