@@ -149,7 +149,7 @@ def _export_hf(model: nn.Module, out: Path, cfg: ExportConfig) -> None:
 def _fp8_weights_divided_in_float32() -> Iterator[None]:
     """modelopt's unified HF exporter quantizes an FP8 weight as ``(weight / scale).to(float8)`` with a 0-d float32
     scale, which PyTorch's type promotion computes in the weight's dtype: for a bfloat16 model the quotient is
-    rounded to bfloat16 before the E4M3 rounding, and about 3% of the codes land one E4M3 step away from the ones
+    rounded to bfloat16 before the E4M3 rounding, and codes near an E4M3 boundary land one step away from the ones
     training used (``fake_quant_fp8`` divides in float32, as modelopt's TensorRT-LLM exporter and the FP8 GEMM's
     dequantization do). Inside the block that one division is done in float32; every other format goes to
     modelopt's own function."""
