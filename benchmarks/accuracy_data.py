@@ -11,7 +11,8 @@ import torch
 
 from nemo_fp4qat import QATController
 from nemo_fp4qat.demo.model import load_corpus, load_smollm2
-from nemo_fp4qat.demo.pipeline import DemoConfig, _windows
+from nemo_fp4qat.demo.pipeline import DemoConfig
+from nemo_fp4qat.demo.training import token_windows
 from nemo_fp4qat.eval.evaluation import evaluate
 
 
@@ -45,8 +46,8 @@ def load_accuracy_data(cfg: DemoConfig | None = None) -> AccuracyData:
     train_ids = tok(load_corpus("emma"))["input_ids"]
     book = load_corpus("persuasion")
     val = torch.tensor(tok(book)["input_ids"][: cfg.eval_window * cfg.eval_windows])
-    train = _windows(train_ids, 0, cfg.seq_len)
+    train = token_windows(train_ids, 0, cfg.seq_len)
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.seed))
     train = train[order][: cfg.steps * cfg.batch_size]
-    calib = list(_windows(train_ids[len(train_ids) // 2 :], cfg.calib_samples, cfg.seq_len)[:, :-1].split(8))
+    calib = list(token_windows(train_ids[len(train_ids) // 2 :], cfg.calib_samples, cfg.seq_len)[:, :-1].split(8))
     return AccuracyData(cfg, base, tok, book, train, val, calib)

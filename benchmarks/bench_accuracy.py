@@ -21,7 +21,8 @@ from accuracy_data import load_accuracy_data
 from common import RESULTS_DIR, machine
 
 from nemo_fp4qat import FP4QATCallback
-from nemo_fp4qat.demo.pipeline import DemoConfig, _train
+from nemo_fp4qat.demo.pipeline import DemoConfig
+from nemo_fp4qat.demo.training import train_lm
 from nemo_fp4qat.eval.gate import recovery
 
 PRESETS = ["fp_embeddings", "aggressive_mlp", "conservative_attention", "trtllm_mixed"]
@@ -48,13 +49,13 @@ def main() -> None:
         cb = FP4QATCallback(policy=policy, schedule=schedule, calibration=cfg.calib_samples, calibration_data=calib,
                             forward_fn=lambda x, b: x.net(b), distillation=distill)  # fmt: skip
         t0 = time.time()
-        _train(m, train, cfg, out, [cb], name)
+        train_lm(m, train, cfg, out, [cb], name)
         record(name, m, t0, policy=policy, schedule=schedule, distillation=distill, note=teacher_note)
 
     t0 = time.time()
     rows["bf16 original"] = {"ppl": ppl(base), "train_s": 0.0}
     ft = copy.deepcopy(base)
-    _train(ft, train, cfg, out, [], "finetune")
+    train_lm(ft, train, cfg, out, [], "finetune")
     record("bf16 fine-tuned (baseline)", ft, t0)
     for policy in ["default", *PRESETS]:
         t0 = time.time()
@@ -62,7 +63,7 @@ def main() -> None:
     mo = copy.deepcopy(base)
     t0 = time.time()
     mtq.quantize(mo, mtq.NVFP4_DEFAULT_CFG, forward_loop=lambda m: [m(b) for b in calib])
-    _train(mo, train, cfg, out, [], "modelopt_qat")
+    train_lm(mo, train, cfg, out, [], "modelopt_qat")
     record("modelopt plain QAT (NVFP4_DEFAULT_CFG)", mo, t0, policy="modelopt NVFP4_DEFAULT_CFG")
     mo_ptq = copy.deepcopy(ft)
     mtq.quantize(mo_ptq, mtq.NVFP4_DEFAULT_CFG, forward_loop=lambda m: [m(b) for b in calib])

@@ -22,7 +22,8 @@ from accuracy_data import load_accuracy_data
 from common import RESULTS_DIR, machine
 
 from nemo_fp4qat import FP4QATCallback
-from nemo_fp4qat.demo.pipeline import DemoConfig, _train
+from nemo_fp4qat.demo.pipeline import DemoConfig
+from nemo_fp4qat.demo.training import train_lm
 from nemo_fp4qat.eval.evaluation import multiple_choice_accuracy
 from nemo_fp4qat.eval.tasks import next_sentence_tasks
 from nemo_fp4qat.qat.policy import POLICY_PRESETS
@@ -66,7 +67,7 @@ def main() -> None:
     tasks = next_sentence_tasks(data.book, n=MC_TASKS, seed=cfg.seed)
 
     ft = copy.deepcopy(base)
-    _train(ft, train, cfg, out, [], "finetune")
+    train_lm(ft, train, cfg, out, [], "finetune")
     decomposition = {"bf16 fine-tuned": ppl(ft)}
     for name, policy in DECOMPOSITION.items():
         decomposition[name] = ppl(ptq(ft, policy))
@@ -75,10 +76,10 @@ def main() -> None:
     ours = copy.deepcopy(base)
     cb = FP4QATCallback(policy="conservative_attention", schedule="progressive", calibration=cfg.calib_samples,
                         calibration_data=calib, forward_fn=lambda x, b: x.net(b))  # fmt: skip
-    _train(ours, train, cfg, out, [cb], "ours_progressive")
+    train_lm(ours, train, cfg, out, [cb], "ours_progressive")
     mo = copy.deepcopy(base)
     mtq.quantize(mo, mtq.NVFP4_DEFAULT_CFG, forward_loop=lambda m: [m(b) for b in calib])
-    _train(mo, train, cfg, out, [], "modelopt_qat")
+    train_lm(mo, train, cfg, out, [], "modelopt_qat")
     mxfp8_attention = ptq(ft, "conservative_attention")  # the pre-#15 "default"
     models = {"bf16 original": base, "bf16 fine-tuned": ft, "PTQ default (of the fine-tune)": mxfp8_attention,
               "ours progressive (default policy)": ours, "modelopt plain QAT (NVFP4_DEFAULT_CFG)": mo}  # fmt: skip

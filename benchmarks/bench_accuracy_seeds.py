@@ -29,7 +29,8 @@ from common import RESULTS_DIR, machine, pyplot, save_figure
 from peer_torchao import TORCHAO_VERSION, prepare_torchao_nvfp4_qat, torchao_available
 
 from nemo_fp4qat import FP4QATCallback
-from nemo_fp4qat.demo.pipeline import DemoConfig, _train
+from nemo_fp4qat.demo.pipeline import DemoConfig
+from nemo_fp4qat.demo.training import train_lm
 from nemo_fp4qat.eval.evaluation import multiple_choice_accuracy
 from nemo_fp4qat.eval.gate import recovery
 from nemo_fp4qat.eval.tasks import next_sentence_tasks
@@ -75,13 +76,13 @@ def run_seed(seed: int, base_cfg: DemoConfig, out: Path, mc_tasks: int) -> dict[
         m, t0 = copy.deepcopy(base), time.time()
         cb = FP4QATCallback(policy=policy, schedule=schedule, calibration=cfg.calib_samples, calibration_data=calib,
                             forward_fn=lambda x, b: x.net(b))  # fmt: skip
-        _train(m, train, cfg, out, [cb], f"s{seed}_{name}")
+        train_lm(m, train, cfg, out, [cb], f"s{seed}_{name}")
         record(name, m, t0)
 
     calib_loop = lambda m: [m(b) for b in calib]  # noqa: E731
     t0 = time.time()
     ft = copy.deepcopy(base)
-    _train(ft, train, cfg, out, [], f"s{seed}_finetune")
+    train_lm(ft, train, cfg, out, [], f"s{seed}_finetune")
     record(FT, ft, t0)
     for policy in ("default", "nvfp4_w4a8"):
         t0 = time.time()
@@ -90,14 +91,14 @@ def run_seed(seed: int, base_cfg: DemoConfig, out: Path, mc_tasks: int) -> dict[
     record("PTQ modelopt NVFP4_DEFAULT_CFG", mtq.quantize(copy.deepcopy(ft), mtq.NVFP4_DEFAULT_CFG, calib_loop), t0)
     t0 = time.time()
     mo = mtq.quantize(copy.deepcopy(base), mtq.NVFP4_DEFAULT_CFG, calib_loop)
-    _train(mo, train, cfg, out, [], f"s{seed}_modelopt")
+    train_lm(mo, train, cfg, out, [], f"s{seed}_modelopt")
     record("modelopt plain QAT (NVFP4_DEFAULT_CFG)", mo, t0)
     if torchao_available() is None:
         t0 = time.time()
         record("PTQ torchao NVFP4", prepare_torchao_nvfp4_qat(copy.deepcopy(ft)), t0)
         t0 = time.time()
         tao = prepare_torchao_nvfp4_qat(copy.deepcopy(base))
-        _train(tao, train, cfg, out, [], f"s{seed}_torchao")
+        train_lm(tao, train, cfg, out, [], f"s{seed}_torchao")
         record(f"torchao {TORCHAO_VERSION} NVFP4 QAT", tao, t0)
     ours("ours direct (default policy)", "default", "direct")
     ours("ours progressive (default policy)", "default", "progressive")

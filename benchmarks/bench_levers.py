@@ -27,7 +27,8 @@ from accuracy_data import load_accuracy_data
 from common import RESULTS_DIR, machine, pyplot, rerender, save_figure, write_result
 
 from nemo_fp4qat import FP4QATCallback
-from nemo_fp4qat.demo.pipeline import DemoConfig, _train
+from nemo_fp4qat.demo.pipeline import DemoConfig
+from nemo_fp4qat.demo.training import train_lm
 from nemo_fp4qat.eval.gate import recovery
 
 # lever name -> (policy, smoothing spec, block scale search)
@@ -83,7 +84,7 @@ def qad_served(ft, data, out: Path, policy: str, smoothing: dict | None, search:
     calibration = {"num_samples": cfg.calib_samples, "smoothing": smoothing, "block_scale_search": search}
     cb = FP4QATCallback(policy=policy, schedule="direct", calibration=calibration, calibration_data=data.calib,
                         forward_fn=lambda x, b: x.net(b), distillation="qad")  # fmt: skip
-    _train(m, data.train, cfg, out, [cb], "qad", lr=cfg.qad_lr)
+    train_lm(m, data.train, cfg, out, [cb], "qad", lr=cfg.qad_lr)
     in_memory = data.ppl(m)
     try:
         hf = export_checkpoint(m, out / "export", ExportConfig(kind="hf", overwrite=True), tokenizer=data.tok)
@@ -125,7 +126,7 @@ def main() -> None:
     data = load_accuracy_data(cfg)
     t0 = time.time()
     ft = copy.deepcopy(data.base)
-    _train(ft, data.train, cfg, out, [], "finetune")
+    train_lm(ft, data.train, cfg, out, [], "finetune")
     ft_ppl = data.ppl(ft)
     print(f"fine-tune {ft_ppl:.3f} ({time.time() - t0:.0f} s)", flush=True)
     only = set(args.only or LEVERS)

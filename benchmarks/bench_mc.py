@@ -26,7 +26,8 @@ from bench_levers import qad_served
 from common import RESULTS_DIR, machine, pyplot, rerender, save_figure, write_result
 from tqdm import tqdm
 
-from nemo_fp4qat.demo.pipeline import DemoConfig, _train
+from nemo_fp4qat.demo.pipeline import DemoConfig
+from nemo_fp4qat.demo.training import train_lm
 from nemo_fp4qat.eval.evaluation import multiple_choice_outcomes
 from nemo_fp4qat.eval.paired import paired_difference
 from nemo_fp4qat.eval.tasks import next_sentence_tasks
@@ -83,7 +84,7 @@ def main() -> None:
 
     t0 = time.time()
     ft = copy.deepcopy(data.base)
-    _train(ft, data.train, cfg, out, [], "finetune")
+    train_lm(ft, data.train, cfg, out, [], "finetune")
     score(FT, ft, data.ppl(ft), time.time() - t0)
     for name, (stage, policy, smoothing, search) in ROWS.items():
         t0 = time.time()

@@ -28,7 +28,8 @@ from accuracy_data import load_accuracy_data
 from common import RESULTS_DIR, machine, pyplot, save_figure
 
 from nemo_fp4qat import FP4QATCallback, LayerPolicy
-from nemo_fp4qat.demo.pipeline import DemoConfig, _train
+from nemo_fp4qat.demo.pipeline import DemoConfig
+from nemo_fp4qat.demo.training import train_lm
 from nemo_fp4qat.eval.gate import recovery
 from nemo_fp4qat.numerics.formats import get_format
 
@@ -77,12 +78,12 @@ def run_seed(seed: int, base_cfg: DemoConfig, out: Path) -> dict[str, float]:
     pl.seed_everything(seed)
     data = load_accuracy_data(cfg)
     ft = copy.deepcopy(data.base)
-    _train(ft, data.train, cfg, out, [], f"s{seed}_finetune")
+    train_lm(ft, data.train, cfg, out, [], f"s{seed}_finetune")
     rows = {FT: data.ppl(ft), PTQ_EQUAL: data.ppl(data.ptq(ft, "fp_embeddings"))}
     m = copy.deepcopy(data.base)
     cb = FP4QATCallback(policy="fp_embeddings", schedule="direct", calibration=cfg.calib_samples,
                         calibration_data=data.calib, forward_fn=lambda x, b: x.net(b))  # fmt: skip
-    _train(m, data.train, cfg, out, [cb], f"s{seed}_ours_equal")
+    train_lm(m, data.train, cfg, out, [cb], f"s{seed}_ours_equal")
     rows[OURS_EQUAL] = data.ppl(m)
     print(f"seed {seed}: {rows}", flush=True)
     return rows

@@ -20,7 +20,8 @@ from accuracy_data import load_accuracy_data
 from bench_levers import qad_row
 from common import machine, rerender, write_result
 
-from nemo_fp4qat.demo.pipeline import DemoConfig, _train
+from nemo_fp4qat.demo.pipeline import DemoConfig
+from nemo_fp4qat.demo.training import train_lm
 from nemo_fp4qat.eval.gate import recovery
 
 ROWS = ("none", "recipe")
@@ -45,7 +46,7 @@ def main() -> None:
         pl.seed_everything(seed)
         data = load_accuracy_data(cfg)
         ft = copy.deepcopy(data.base)
-        _train(ft, data.train, cfg, out, [], "finetune")
+        train_lm(ft, data.train, cfg, out, [], "finetune")
         res: dict = {"bf16_finetuned": data.ppl(ft)}
         for row, (smoothing, search) in levers.items():
             m = data.ptq(ft, cfg.policy, smoothing, search)

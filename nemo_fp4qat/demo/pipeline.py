@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from .training import token_windows, train_lm
+
 __all__ = ["DemoConfig", "run_demo"]
 
 log = logging.getLogger("nemo_fp4qat")
@@ -95,51 +97,6 @@ def _lever_names(cfg: DemoConfig) -> list[str]:
     return names
 
 
-def _windows(ids, n: int, seq: int):
-    import torch
-
-    usable = (len(ids) // (seq + 1)) * (seq + 1)
-    t = torch.tensor(ids[:usable]).view(-1, seq + 1)
-    return t[:n] if n else t
-
-
-def _train(
-    model, data, cfg: DemoConfig, out: Path, callbacks: list, name: str, lr: float | None = None, steps: int = 0
-) -> list[float]:
-    import lightning.pytorch as pl
-    import torch
-    import torch.nn.functional as F
-    from torch.utils.data import DataLoader
-
-    losses: list[float] = []
-
-    class LM(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = model
-
-        def forward(self, tokens):
-            return self.net(tokens).logits
-
-        def training_step(self, batch, _):
-            logits = self(batch[:, :-1])
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-            losses.append(float(loss.detach()))
-            self.log("loss", loss, prog_bar=True)
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=lr or cfg.lr)
-
-    g = torch.Generator().manual_seed(cfg.seed)  # both runs see the same batches in the same order
-    loader = DataLoader(data, batch_size=cfg.batch_size, shuffle=True, generator=g)
-    trainer = pl.Trainer(max_steps=steps or cfg.steps, accelerator="cpu", default_root_dir=str(out / name),
-                         enable_checkpointing=False, log_every_n_steps=1, callbacks=callbacks,
-                         enable_model_summary=False)  # fmt: skip
-    trainer.fit(LM(), loader)
-    return losses
-
-
 def run_demo(out_dir: str = "runs/demo", quick: bool = False, cfg: DemoConfig | None = None, **overrides: Any) -> int:
     from rich.console import Console
 
@@ -179,9 +136,11 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float) -> int:
     train_ids = tok(load_corpus("emma"))["input_ids"]
     val_ids = tok(load_corpus("persuasion"))["input_ids"]
     n_train = cfg.steps * cfg.batch_size
-    train = _windows(train_ids, 0, cfg.seq_len)
+    train = token_windows(train_ids, 0, cfg.seq_len)
     train = train[torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.seed))][:n_train]
-    calib = [b for b in _windows(train_ids[len(train_ids) // 2 :], cfg.calib_samples, cfg.seq_len)[:, :-1].split(8)]
+    calib = [
+        b for b in token_windows(train_ids[len(train_ids) // 2 :], cfg.calib_samples, cfg.seq_len)[:, :-1].split(8)
+    ]
     val = torch.tensor(val_ids[: cfg.eval_window * cfg.eval_windows])
 
     def ev(model, name: str) -> dict[str, Any]:
@@ -198,7 +157,7 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float) -> int:
     stage(1, "baseline (original SmolLM2-135M)", f"perplexity {variants['bf16']['ppl']:.3f}")
 
     ft = copy.deepcopy(base)
-    ft_losses = _train(ft, train, cfg, out, [], "finetune")
+    ft_losses = train_lm(ft, train, cfg, out, [], "finetune")
     variants["bf16_finetuned"] = ev(ft, "bf16 fine-tuned")
     stage(2, f"BF16 fine-tune, {cfg.steps} steps (the fair baseline)",
           f"perplexity {variants['bf16_finetuned']['ppl']:.3f}")  # fmt: skip
@@ -231,7 +190,7 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float) -> int:
         cb = FP4QATCallback(policy=cfg.policy, schedule=cfg.schedule, calibration=calibration,
                             calibration_data=calib, forward_fn=lambda m, b: m.net(b), distillation=distill)  # fmt: skip
         mon = QuantizationMonitor(every_n_steps=max(1, cfg.steps // 2), out_dir=str(out / "quant_quality"))
-        return model, _train(model, train, cfg, out, [cb, mon], "qat"), cb, mon
+        return model, train_lm(model, train, cfg, out, [cb, mon], "qat"), cb, mon
 
     qad_steps = cfg.qad_steps or cfg.steps
 
@@ -243,7 +202,7 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float) -> int:
                             calibration_data=calib, forward_fn=lambda m, b: m.net(b), distillation="qad")  # fmt: skip
         # one switch (step 0) and the end (each full-model analysis: report.json's monitor_measure_s)
         mon = QuantizationMonitor(every_n_steps=qad_steps, out_dir=str(out / "quant_quality"))
-        return model, _train(model, train, cfg, out, [cb, mon], "qad", lr=cfg.qad_lr, steps=qad_steps), cb, mon
+        return model, train_lm(model, train, cfg, out, [cb, mon], "qad", lr=cfg.qad_lr, steps=qad_steps), cb, mon
 
     plain_note = ""
     if cfg.mode == "qad":
