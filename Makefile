@@ -65,11 +65,8 @@ bench: $(CORE)/.stamp
 # formats and the bits/perplexity plot (#17, 6 minutes per seed), the deployable levers (#17, 25 minutes), the demo's
 # recipe against no lever over 3 seeds (#17, 30 minutes).
 bench-accuracy: $(BENCH_SITE)/.stamp
-	PYTHONPATH=$(BENCH_SITE) $(CORE)/bin/python benchmarks/bench_accuracy_seeds.py
-	$(CORE)/bin/python benchmarks/bench_pareto.py
-	$(CORE)/bin/python benchmarks/bench_levers.py
-	$(CORE)/bin/python benchmarks/bench_recipe_seeds.py
-	$(CORE)/bin/python benchmarks/bench_mc.py
+	PYTHONPATH=$(BENCH_SITE) $(CORE)/bin/python benchmarks/registry.py run --group accuracy-peers
+	$(CORE)/bin/python benchmarks/registry.py run pareto levers recipe_seeds mc
 	$(CORE)/bin/python benchmarks/run_all.py --only-collect
 
 # Mutation testing (#18): hand-written mutations of the C kernel source (default, about 2 minutes), and mutmut

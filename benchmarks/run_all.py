@@ -1,8 +1,5 @@
-"""Run every CPU benchmark and rebuild benchmarks/RESULTS.md from their results.
-
-The accuracy benchmarks (tens of minutes each) are run on their own (`make bench-accuracy`); their
-results/*.md sections are collected here like the rest.
-"""
+"""Rebuild benchmarks/RESULTS.md, the index of the results files (after running the ``bench`` group of
+``benchmarks/registry.py`` unless ``--only-collect``)."""
 
 from __future__ import annotations
 
@@ -15,26 +12,12 @@ from pathlib import Path
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
-BENCHES = [
-    "bench_cpu_fakequant",
-    "bench_training_overhead",
-    "profile_qat_step",
-    "bench_demo",
-    "bench_export_size",
-    "bench_serve",
-]
+from registry import BENCHMARKS  # noqa: E402
+
 # Rendered from committed results of runs elsewhere (the GPU check's JSON): no machine needed.
 RENDERERS = ["render_gpu"]
-# results file -> the script that writes it, where its own text does not name it
-WRITERS = {
-    "cpu_fakequant": "bench_cpu_fakequant.py",
-    "demo": "bench_demo.py",
-    "export_size": "bench_export_size.py",
-    "training_overhead": "bench_training_overhead.py",
-    "accuracy": "bench_accuracy.py",
-    "gpu_h200": "gpu_check.py",
-    "gpu_check": "gpu_check.py",
-}
+# results file -> the script that writes it (the first registered)
+WRITERS = {r: b.script for b in reversed(BENCHMARKS) for r in b.results}
 
 
 def _updated(path: Path) -> str:
@@ -63,8 +46,9 @@ def index(results: Path) -> str:
 def main() -> None:
     # --only-collect: rebuild RESULTS.md from results/ (after a benchmark run on its own, e.g. the accuracy ones)
     if "--only-collect" not in sys.argv[1:]:
-        for name in BENCHES:
-            importlib.import_module(name).main()
+        for b in BENCHMARKS:
+            if b.group == "bench":
+                importlib.import_module(b.script.removesuffix(".py")).main()
     for name in RENDERERS:
         importlib.import_module(name).main([])
     parts = [
