@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 from common import RESULTS_DIR, machine
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
 
 CLIENTS, DURATION_S, MAX_TOKENS = 64, 60.0, 16
 KINDS = ["completion", "chat", "completion-stream", "chat-stream"]

@@ -69,7 +69,7 @@ def step_overhead_pair(n_batches: int) -> tuple[dict, dict, list]:
     """The CPU step-overhead benchmark's two models (megatron-style GPT 4x256 in a ``LitLM``, same init): full
     precision and NVFP4 QAT prepared as ``FP4QATCallback`` does before the first step (policy ``fp_embeddings``,
     direct, 32 calibration samples), an AdamW each, and ``n_batches`` batches of 8x128 tokens. For measuring the
-    two side by side in one process (``tests/`` must be on ``sys.path`` for ``tiny_models``)."""
+    two side by side in one process (``tests/helpers/`` must be on ``sys.path`` for ``tiny_models``)."""
     import copy
 
     import torch

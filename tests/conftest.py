@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, settings
 settings.register_profile("repo", suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
 settings.load_profile("repo")
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))  # the shared helpers (tests/helpers/)
 
 # Triton kernels run on CPU tensors in triton's interpreter; triton reads this when it is imported (its own
 # library functions are decorated then), so it is set before any test imports it.

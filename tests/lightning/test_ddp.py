@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
 from megatron_utils import free_port
-from paths import TESTS
+from paths import WORKERS, worker_env
 
 # core environment only: plain-torch ranks; under modelopt 0.37 the sync is tested by the NeMo two-process runs
 pytestmark = pytest.mark.core_only
@@ -18,11 +17,11 @@ pytestmark = pytest.mark.core_only
 
 @pytest.mark.slow
 def test_two_rank_ddp_ends_with_identical_amax_and_stage(tmp_path):
-    worker = TESTS / "ddp_worker.py"
+    worker = WORKERS / "ddp_worker.py"
     for _attempt in range(3):
         # a free port, chosen here: another process can still take it before rank 0 listens (seen when
         # other suites run beside this one), so EADDRINUSE is retried with a new port, nothing else is
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        env = worker_env(PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         proc = subprocess.run(
             [sys.executable, str(worker), str(tmp_path)], env=env, capture_output=True, text=True, timeout=600
         )

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron_utils import free_port
-from paths import TESTS
+from paths import WORKERS, worker_env
 
 pytestmark = pytest.mark.nemo
 
@@ -22,8 +22,8 @@ pytestmark = pytest.mark.nemo
 def result(tmp_path_factory):
     pytest.importorskip("nemo")
     cache = os.environ.get("NEMO_FP4QAT_CACHE") or str(Path.home() / ".cache" / "nemo_fp4qat")
-    worker = [sys.executable, str(TESTS / "nemo_import_worker.py"), cache]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # NeMo's importer inits dist
+    worker = [sys.executable, str(WORKERS / "nemo_import_worker.py"), cache]
+    env = worker_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))  # NeMo's importer inits dist
     proc = subprocess.run(worker, capture_output=True, text=True, timeout=1800, cwd=tmp_path_factory.mktemp("import"),
                           env=env)  # fmt: skip
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)

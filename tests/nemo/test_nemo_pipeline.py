@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 
@@ -17,7 +16,7 @@ import torch
 from nemo_worker_run import run_worker
 
 from megatron_utils import free_port
-from paths import TESTS
+from paths import WORKERS, worker_env
 
 pytestmark = pytest.mark.nemo
 
@@ -123,9 +122,8 @@ def test_pipeline_parallel_refuses_the_monitor_and_qad_by_name(tmp_path, base, m
     """What does not run under pipeline parallelism stops the run before its first step, with the limit named."""
     out = tmp_path / "refused.json"
     args = [str(base)] if mode == "qad" else []
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "STEPS": "2", "DEVICES": "2",
-           "PP": "2", **env}  # fmt: skip
-    proc = subprocess.run([sys.executable, str(TESTS / "nemo_trainer_worker.py"), str(out), mode, *args],
+    env = worker_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), STEPS="2", DEVICES="2", PP="2", **env)
+    proc = subprocess.run([sys.executable, str(WORKERS / "nemo_trainer_worker.py"), str(out), mode, *args],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)  # fmt: skip
     assert proc.returncode != 0
     assert message in proc.stdout + proc.stderr

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-HERE = Path(__file__).parent
+from paths import WORKERS, worker_env
 
 # Named points (EVENT:N, see kill_resume_worker): calibration (first and switch recalibrations), each
 # switch, steps, checkpoint writes (torn files), and every stage of the export. An uninterrupted run has
@@ -66,8 +66,8 @@ class Harness:
     python: str = sys.executable
 
 
-LIGHTNING = Harness("lightning", HERE / "kill_resume_worker.py", LIGHTNING_POINTS)
-NEMO = Harness("nemo", HERE / "kill_resume_nemo_worker.py", NEMO_POINTS)
+LIGHTNING = Harness("lightning", WORKERS / "kill_resume_worker.py", LIGHTNING_POINTS)
+NEMO = Harness("nemo", WORKERS / "kill_resume_nemo_worker.py", NEMO_POINTS)
 
 
 @dataclass
@@ -88,7 +88,7 @@ def _free_port() -> int:
 def _run_worker(harness: Harness, run_dir: Path, spec: str | None, timeout: float = 900,
                 kill_after: float | None = None) -> int:  # fmt: skip
     # NeMo initialises torch.distributed (gloo) in each process: a fresh port each time
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env = worker_env(PYTHONWARNINGS="ignore", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     cmd = [harness.python, str(harness.worker), str(run_dir), *([spec] if spec else [])]
     with open(run_dir.parent / f"{run_dir.name}.log", "ab") as log:
         # its own session = its own process group, which a kill takes down whole (the worker's children too)

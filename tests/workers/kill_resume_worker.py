@@ -31,7 +31,6 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
 
 STEPS = 12
 SCHEDULE = {

@@ -28,7 +28,6 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
 
 import lightning.pytorch as pl  # noqa: E402
 from kill_resume_worker import KillSwitch, install_export_kill_points, state_digest  # noqa: E402

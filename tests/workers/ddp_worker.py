@@ -10,8 +10,6 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, str(Path(__file__).parent))
-
 from nemo_fp4qat import FP4QATCallback
 
 from tiny_models import VOCAB, LitLM, tiny_llama

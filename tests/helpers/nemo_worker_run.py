@@ -3,21 +3,20 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 from megatron_utils import free_port
-from paths import TESTS
+from paths import WORKERS, worker_env
 
 
 def run_worker(tmp_path, name, *args, steps=4, devices=1, tp=1, export_dir=None, **env_extra):
     """Run the worker (``DEVICES`` processes) and return its JSON (one per rank when ``devices > 1``)."""
     out = tmp_path / f"{name}.json"
-    worker = TESTS / "nemo_trainer_worker.py"
+    worker = WORKERS / "nemo_trainer_worker.py"
     port = free_port()  # a fresh port: this pytest process may already hold MASTER_PORT
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "STEPS": str(steps),
+    env = {**worker_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "STEPS": str(steps),
            "DEVICES": str(devices), "TP": str(tp)}  # fmt: skip
     if export_dir:
         env["EXPORT_DIR"] = str(export_dir)
