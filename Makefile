@@ -58,8 +58,10 @@ $(BENCH_SITE)/.stamp: requirements/bench.txt $(CORE)/.stamp
 	$(CORE)/bin/pip install $(PIP_QUIET) --no-deps --target $(BENCH_SITE) -r requirements/bench.txt 2>&1 | $(QUIET_PIP)
 	touch $@
 
+# Benchmarks that build the tests' tiny models import tests/helpers/ (the registry puts it on PYTHONPATH too).
+BENCH_PATH := PYTHONPATH=tests/helpers
 bench: $(CORE)/.stamp
-	$(CORE)/bin/python benchmarks/run_all.py
+	$(BENCH_PATH) $(CORE)/bin/python benchmarks/run_all.py
 
 # The accuracy side by side over seeds (#9, about 30 minutes per seed on 2 cores), our rows at the peers'
 # formats and the bits/perplexity plot (#17, 6 minutes per seed), the deployable levers (#17, 25 minutes), the demo's
@@ -83,7 +85,7 @@ mutate: $(CORE)/.mutmut-stamp
 # (tests/kill_resume.py; a subset runs in make test) plus the bad-config, non-finite and server-fault counts;
 # writes benchmarks/results/reliability.*
 reliability: $(CORE)/.stamp $(NEMO)/.stamp
-	$(CORE)/bin/python benchmarks/bench_reliability.py --nemo-python $(NEMO)/bin/python
+	$(BENCH_PATH) $(CORE)/bin/python benchmarks/bench_reliability.py --nemo-python $(NEMO)/bin/python
 
 # The GPU acceptance run (benchmarks/gpu_check.py; at most 8 minutes on one GPU, no network). Here: `make gpu-wheels`
 # downloads what it carries (requirements/gpu_check.txt, for the device's Python GPU_PYTHON); on the GPU machine,

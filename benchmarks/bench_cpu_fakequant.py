@@ -8,12 +8,7 @@ Targets (issue 2): >= 25% of the copy rate, >= 10x modelopt's pure-torch path.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
 from common import best_of, machine, write_result
 
 from nemo_fp4qat.numerics import fake_quant as cfq

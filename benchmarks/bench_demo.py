@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
 
 
 def main(report_path: str | None = None) -> dict:

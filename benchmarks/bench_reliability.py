@@ -23,8 +23,6 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 
 RANDOM = 5
 # (what is counted, pytest selection)

@@ -12,15 +12,12 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 from common import RESULTS_DIR, machine
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
 
 CLIENTS, DURATION_S, MAX_TOKENS = 64, 60.0, 16
 KINDS = ["completion", "chat", "completion-stream", "chat-stream"]

@@ -22,8 +22,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests" / "helpers"))
 
 STEPS, WARMUP, ROUNDS = 60, 5, 5
 INTERLEAVED_ROUNDS = 3

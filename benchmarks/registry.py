@@ -9,12 +9,15 @@ Groups: ``bench`` (speed, memory, export, serving, the demo's figures; ``make be
 minutes each; ``make bench-accuracy``), ``accuracy-peers`` (with the benchmark-only peers on ``PYTHONPATH``),
 ``mutation`` (``make mutate``), ``reliability`` (``make reliability``), ``gpu`` (``make gpu-check``, on a GPU).
 The scripts that are not benchmarks are helpers the benchmarks import (``HELPERS``); the tests check that every
-script is one or the other and that every results file has its writer here.
+script is one or the other and that every results file has its writer here. Benchmarks that build the tests'
+tiny models import ``tests/helpers/``: the registry runs every script with it on ``PYTHONPATH`` (as the
+Makefile's targets do).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -91,7 +94,9 @@ def by_name(name: str) -> Benchmark:
 
 
 def _run(script: str, args: list[str]) -> int:
-    return subprocess.call([sys.executable, str(HERE / script), *args])
+    helpers = str(HERE.parent / "tests" / "helpers")
+    path = os.pathsep.join(p for p in (helpers, os.environ.get("PYTHONPATH", "")) if p)
+    return subprocess.call([sys.executable, str(HERE / script), *args], env={**os.environ, "PYTHONPATH": path})
 
 
 def main(argv: list[str] | None = None) -> int:

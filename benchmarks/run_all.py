@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
 
 from registry import BENCHMARKS  # noqa: E402
 

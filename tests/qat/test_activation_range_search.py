@@ -4,8 +4,8 @@ fake quant, not modelopt's quantizer), fused siblings share one, and the model i
 
 from __future__ import annotations
 
+import importlib.util
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -14,10 +14,21 @@ from nemo_fp4qat import QATController
 from nemo_fp4qat.numerics.fake_quant import fake_quant_nvfp4
 from nemo_fp4qat.qat.fused_siblings import find_fused_siblings
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from activation_range_search import GRID, search_activation_ranges
-
+from paths import ROOT
 from tiny_models import VOCAB, tiny_llama
+
+
+def _benchmark_module(name: str):
+    """A benchmark helper module, loaded from its file (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_search = _benchmark_module("activation_range_search")
+GRID, search_activation_ranges = _search.GRID, _search.search_activation_ranges
 
 
 def _calibrated():
