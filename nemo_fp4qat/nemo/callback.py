@@ -115,6 +115,13 @@ class NeMoFP4QATCallback(FP4QATCallback):
             return
         self._keep_final_checkpoint_resumable(trainer)
         tp, pp = trainer.strategy.tensor_model_parallel_size, trainer.strategy.pipeline_model_parallel_size
+        if self.export_dir and tp > 1 and pp > 1:
+            raise ValueError(
+                f"an end-of-training export (export_dir) with tensor_model_parallel_size={tp} and "
+                f"pipeline_model_parallel_size={pp}: the export assembles the stages on one rank and does not merge "
+                "tensor-parallel shards. Train without export_dir and export from the final checkpoint in a run "
+                "without pipeline parallelism, or use one of the two parallelisms."
+            )
         if self.qad is not None and (tp > 1 or pp > 1):
             raise ValueError(
                 f"distillation (QAD) with tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}: "

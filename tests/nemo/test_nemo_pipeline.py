@@ -115,16 +115,35 @@ def test_pipeline_stage_state_refuses_another_pipeline_size():
     [
         ("full", {"INJECT_INF_STEP": "1"}, "QuantizationMonitor does not support pipeline parallelism"),
         ("qad", {}, "NeMoFP4QATCallback distils at TP=1 and PP=1"),
+        ("full", {"DEVICES": "4", "TP": "2", "EXPORT_DIR": "x"}, "does not merge tensor-parallel shards"),
     ],
-    ids=["monitor", "qad"],
+    ids=["monitor", "qad", "export-tp-pp"],
 )
 def test_pipeline_parallel_refuses_the_monitor_and_qad_by_name(tmp_path, base, mode, env, message):
     """What does not run under pipeline parallelism stops the run before its first step, with the limit named."""
     out = tmp_path / "refused.json"
     args = [str(base)] if mode == "qad" else []
-    env = worker_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), STEPS="2", DEVICES="2", PP="2", **env)
+    env = worker_env(**{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "STEPS": "2", "DEVICES": "2",
+                        "PP": "2", **env})  # fmt: skip
     proc = subprocess.run([sys.executable, str(WORKERS / "nemo_trainer_worker.py"), str(out), mode, *args],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)  # fmt: skip
     assert proc.returncode != 0
     assert message in proc.stdout + proc.stderr
     assert "Training epoch 0, iteration 0" not in proc.stdout + proc.stderr
+
+
+def test_tensor_and_pipeline_parallel_together(tmp_path, base):
+    """TP 2 x PP 2 (four gloo processes): every rank switches at the same step; the two ranks of a stage hold the
+    same per-tensor amax (synced over the tensor-parallel group, not across stages); the loss is the last stage's,
+    which NeMo logs on global rank 0 and on the last stage's ranks."""
+    ranks = run_worker(tmp_path, "tp2pp2", steps=4, devices=4, tp=2, PP=2, BASE=base)
+    assert [(r["tp"], r["pp"], r["pp_rank"]) for r in ranks] == [(2, 2, 0), (2, 2, 0), (2, 2, 1), (2, 2, 1)]
+    for r in ranks:
+        assert [(e["step"], e["to"]) for e in r["history"]] == [(2, "nvfp4")]
+    for a, b in ((ranks[0], ranks[1]), (ranks[2], ranks[3])):
+        per_tensor = {k: v for k, v in a["global_amax"].items() if len(v) == 1}
+        assert per_tensor and per_tensor == {k: b["global_amax"][k] for k in per_tensor}
+    assert {k.split(".")[2] for k in ranks[0]["global_amax"]} == {"0"}
+    assert {k.split(".")[2] for k in ranks[2]["global_amax"]} == {"1"}
+    assert ranks[0]["losses"] == ranks[2]["losses"] == ranks[3]["losses"]
+    assert all(math.isfinite(v) and v > 0 for v in ranks[0]["losses"].values())
