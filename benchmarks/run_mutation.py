@@ -108,8 +108,18 @@ C_MUTATIONS = [
     ("NVFP4 block scale not clamped to 448", "if (!(ratio <= 448.f)) ratio = 448.f;", ""),
     ("NVFP4 block scale rounded with 2 mantissa bits", "round_minifloat(ratio, 3, -6, 448.f)",
      "round_minifloat(ratio, 2, -6, 448.f)"),
+    ("AVX2: rounding quantum one binade too fine", "_mm256_set1_ps(1.5f * pow2i(23 - m))",
+     "_mm256_set1_ps(1.5f * pow2i(22 - m))"),
+    ("AVX2: no saturation", "return _mm256_min_ps(r, _mm256_set1_ps(fmax));", "return r;"),
+    ("AVX2: subnormal binade not floored at emin", "p = _mm256_max_ps(p, _mm256_set1_ps(pow2i(emin)));", ""),
+    ("AVX2: -0 keeps its sign", "_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ)",
+     "_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GT_OQ)"),
+    ("AVX2: NaN input not passed through", "return _mm256_blendv_ps(o, v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));",
+     "return o;"),
+    ("AVX2: block max over the first half of each block",
+     "m[k] = _mm256_max_ps(v_abs(_mm256_loadu_ps(xc + 16 * k + 8)), a);", "m[k] = a;"),
 ]  # fmt: skip
-C_TESTS = ["tests/numerics/test_cpu_numerics.py", "-k", "native"]
+C_TESTS = ["tests/numerics/test_cpu_numerics.py", "tests/numerics/test_native_vector_path.py", "-k", "native"]
 # mutmut's CLI imported as a module, not run as __main__ (mutated functions import `mutmut.__main__`).
 # `nemo_fp4qat` is pinned to mutmut's mutated copy by a finder placed first: this environment's editable
 # install would otherwise resolve it to the checkout (so no test ever runs a mutant), and mutmut's own

@@ -166,11 +166,34 @@ def _nan_free_block_amax(xabs: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(xabs, nan=0.0, posinf=float("inf")).amax(dim=-1, keepdim=True)
 
 
+def _native_into(x: torch.Tensor, out: torch.Tensor | None, kernel) -> torch.Tensor:
+    """Run a native float32 kernel ``kernel(x32, out32)`` for ``x`` of any float dtype with one allocation at most.
+
+    float32 ``x`` is read in place and written to ``out`` (or a new tensor); a 16-bit ``x`` is widened into a
+    float32 buffer that the kernel quantizes in place, then narrowed into ``out`` (or a new tensor).
+    """
+    x = x.detach()
+    if x.dtype == torch.float32:
+        x = x.contiguous()
+        direct = out is not None and out.dtype == torch.float32 and out.is_contiguous() and out.shape == x.shape
+        y = kernel(x, out if direct else None)
+        return y if out is None or direct else out.copy_(y)
+    buf = x.float().contiguous()
+    kernel(buf, buf)
+    return buf.to(x.dtype) if out is None else out.copy_(buf)
+
+
+def _check_out(x: torch.Tensor, out: torch.Tensor | None) -> None:
+    if out is not None and out.shape != x.shape:
+        raise ValueError(f"out has shape {tuple(out.shape)}, x has {tuple(x.shape)}: pass an out of x's shape.")
+
+
 def fake_quant_nvfp4(
     x: torch.Tensor,
     amax: torch.Tensor | float | None,
     block_size: int = 16,
     global_scale: torch.Tensor | float | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """NVFP4 quantize->dequantize of ``x`` as modelopt's Triton kernel computes it.
 
@@ -181,11 +204,17 @@ def fake_quant_nvfp4(
         block_size: elements per E4M3-scaled block (16 for NVFP4).
         global_scale: the per-tensor scale ``amax / (6 * 448)`` itself (an exported ``input_scale``),
             used as given instead of being recomputed from ``amax`` (a round trip can move it an ulp).
+        out: a tensor of ``x``'s shape to write the result into (``x`` itself included); a contiguous
+            float32 ``out`` for a float32 ``x`` is written by the kernel directly, with no allocation.
+
+    Returns:
+        ``out`` when given, otherwise a new tensor of ``x``'s dtype.
     """
+    _check_out(x, out)
     gs = _nvfp4_global_scale(x, amax, global_scale)
     valid = math.isfinite(gs) and gs > 0
     if _native_ok(x):
-        return native_kernels.native_nvfp4(x.detach().float().contiguous(), gs, valid, block_size).to(x.dtype)
+        return _native_into(x, out, lambda a, o: native_kernels.native_nvfp4(a, gs, valid, block_size, out=o))
     xb, n = _blocked(x, block_size)
     xabs = xb.abs()
     block_max = _nan_free_block_amax(xabs)
@@ -198,7 +227,8 @@ def fake_quant_nvfp4(
     q = round_to_minifloat(xabs / scale, (2, 1)) * scale
     y = torch.where(xb >= 0, q, -q)
     y = torch.where(torch.isnan(xb), xb, y)
-    return _unblocked(y, x, n)
+    y = _unblocked(y, x, n)
+    return y if out is None else out.copy_(y)
 
 
 def _e8m0_unscale_exponent(block_amax: torch.Tensor, elem_max: float) -> torch.Tensor:
@@ -211,18 +241,22 @@ def _e8m0_unscale_exponent(block_amax: torch.Tensor, elem_max: float) -> torch.T
     return torch.where(round_up, exp_field - 126, exp_field - 127)
 
 
-def fake_quant_mx(x: torch.Tensor, element: tuple[int, int], block_size: int = 32) -> torch.Tensor:
-    """OCP MX quantize->dequantize (E8M0 power-of-two scale per block) as modelopt's CUDA extension."""
+def fake_quant_mx(
+    x: torch.Tensor, element: tuple[int, int], block_size: int = 32, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """OCP MX quantize->dequantize (E8M0 power-of-two scale per block) as modelopt's CUDA extension.
+
+    ``out``: as for :func:`fake_quant_nvfp4`.
+    """
     if element not in FLOAT_FORMAT_MAX:
         raise ValueError(
             f"MX element format E{element[0]}M{element[1]} has no CPU fake quant; on a CPU use one of: "
             f"{CPU_BLOCK_FORMATS}; or run on a GPU (modelopt's CUDA kernels)."
         )
+    _check_out(x, out)
     if _native_ok(x):
-        y = native_kernels.native_mx(
-            x.detach().float().contiguous(), element[1], _EMIN[element], FLOAT_FORMAT_MAX[element], block_size
-        )
-        return y.to(x.dtype)
+        m, emin, fmax = element[1], _EMIN[element], FLOAT_FORMAT_MAX[element]
+        return _native_into(x, out, lambda a, o: native_kernels.native_mx(a, m, emin, fmax, block_size, out=o))
     xb, n = _blocked(x, block_size)
     xabs = xb.abs()
     block_max = _nan_free_block_amax(xabs)
@@ -233,7 +267,8 @@ def fake_quant_mx(x: torch.Tensor, element: tuple[int, int], block_size: int = 3
     q = round_to_minifloat(scaled, element) * _pow2(ue)
     y = torch.where(xb < 0, -q, q)
     y = torch.where(torch.isnan(xb), xb, y)
-    return _unblocked(y, x, n)
+    y = _unblocked(y, x, n)
+    return y if out is None else out.copy_(y)
 
 
 # The block formats the CPU kernels cover (what error messages offer instead of an unsupported one).

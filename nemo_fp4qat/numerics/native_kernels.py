@@ -12,6 +12,7 @@ If no compiler is available or the build fails, everything falls back to the PyT
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -19,11 +20,12 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-__all__ = ["native_available", "native_mx", "native_nvfp4"]
+__all__ = ["native_available", "native_mx", "native_nvfp4", "use_vector_path", "vector_path"]
 
 log = logging.getLogger("nemo_fp4qat")
 
@@ -120,6 +122,129 @@ static inline void mx_block(const float* xs, float* ys, int64_t len, int mbits, 
     }
 }
 
+/* ---- AVX2 versions of the two hot loops (NVFP4 rows of 16-element blocks; MX rows of whole blocks of a
+   multiple of 8 elements). Intrinsics, not auto-vectorisation: the block max needs a transposed
+   horizontal reduction and the per-element rounding the same integer exponent arithmetic as
+   round_minifloat, which gcc does not vectorise across blocks on its own. They do the same float32
+   operations per value in the same order as the scalar code above (which stays the reference and the
+   fallback), so results are bit-identical; the AVX2 code is compiled for that ISA only and chosen at
+   run time when the CPU has it. ---- */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HAVE_AVX2_PATH 1
+#define AVX2 __attribute__((target("avx2")))
+
+/* round_minifloat on 8 lanes in float operations only. p = max(2**e, 2**emin) is the binade read off the
+   exponent bits (and_ps); adding big = 1.5 * 2**(23 - m) * p rounds a to a multiple of p * 2**-m with ties to
+   even (big's ulp is that quantum), and subtracting it back is exact: the same value round_minifloat's
+   exact scale-round-unscale gives. Saturation is min_ps(r, fmax): r <= fmax whenever a < fmax (fmax is
+   representable), and where big overflows (a >= 2**105, or a = Inf) r is NaN, which min_ps also maps to fmax
+   (it returns its second operand when one is NaN); a NaN a gives fmax too, which callers replace by the input. */
+AVX2 static inline __m256 v_round_minifloat(__m256 a, int32_t m, int32_t emin, float fmax) {
+    __m256 p = _mm256_and_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(0x7F800000)));
+    p = _mm256_max_ps(p, _mm256_set1_ps(pow2i(emin)));
+    __m256 big = _mm256_mul_ps(p, _mm256_set1_ps(1.5f * pow2i(23 - m)));
+    __m256 r = _mm256_sub_ps(_mm256_add_ps(a, big), big);
+    return _mm256_min_ps(r, _mm256_set1_ps(fmax));
+}
+
+/* |v| with NaN lanes read as 0 by the max that follows: max_ps(a, b) is (a > b) ? a : b, as block_amax. */
+AVX2 static inline __m256 v_abs(__m256 v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), v); }
+
+/* The 8 lane maxima of m[0..7] as one vector (lane k = max of m[k]); inputs are never NaN. */
+AVX2 static inline __m256 v_hmax8(const __m256* m) {
+    __m256 a01 = _mm256_max_ps(_mm256_unpacklo_ps(m[0], m[1]), _mm256_unpackhi_ps(m[0], m[1]));
+    __m256 a23 = _mm256_max_ps(_mm256_unpacklo_ps(m[2], m[3]), _mm256_unpackhi_ps(m[2], m[3]));
+    __m256 a45 = _mm256_max_ps(_mm256_unpacklo_ps(m[4], m[5]), _mm256_unpackhi_ps(m[4], m[5]));
+    __m256 a67 = _mm256_max_ps(_mm256_unpacklo_ps(m[6], m[7]), _mm256_unpackhi_ps(m[6], m[7]));
+    __m256 q03 = _mm256_max_ps(_mm256_shuffle_ps(a01, a23, 0x44), _mm256_shuffle_ps(a01, a23, 0xEE));
+    __m256 q47 = _mm256_max_ps(_mm256_shuffle_ps(a45, a67, 0x44), _mm256_shuffle_ps(a45, a67, 0xEE));
+    return _mm256_max_ps(_mm256_permute2f128_ps(q03, q47, 0x20), _mm256_permute2f128_ps(q03, q47, 0x31));
+}
+
+AVX2 static inline float v_hmax1(__m256 m) {
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    return _mm_cvtss_f32(h);
+}
+
+/* NVFP4 elements of one 8-lane vector with block scale s: as nvfp4_elements. */
+AVX2 static inline __m256 v_nvfp4(__m256 v, __m256 s) {
+    __m256 q = _mm256_mul_ps(v_round_minifloat(_mm256_div_ps(v_abs(v), s), 1, 0, 6.f), s);
+    __m256 o = _mm256_blendv_ps(_mm256_xor_ps(q, _mm256_set1_ps(-0.f)), q,
+                                _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ));
+    return _mm256_blendv_ps(o, v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+
+/* nvfp4_run16 eight blocks at a time: their amaxes, then their eight scales as one vector (the same
+   float32 operations as nvfp4_scale), then the elements. Blocks left over (fewer than 8) go scalar. */
+AVX2 static void nvfp4_run16_avx2(const float* x, float* y, int64_t nblk, float gs, int gs_valid) {
+    const __m256 zero = _mm256_setzero_ps();
+    int64_t k0 = 0;
+    for (; k0 + 8 <= nblk; k0 += 8) {
+        const float* xc = x + k0 * 16;
+        float* yc = y + k0 * 16;
+        __m256 m[8];
+        for (int k = 0; k < 8; ++k) {
+            __m256 a = _mm256_max_ps(v_abs(_mm256_loadu_ps(xc + 16 * k)), zero);
+            m[k] = _mm256_max_ps(v_abs(_mm256_loadu_ps(xc + 16 * k + 8)), a);
+        }
+        __m256 bmax = v_hmax8(m), s;
+        if (gs_valid) {
+            /* nvfp4_scale's clamp of ratio to 448 is v_round_minifloat's own saturation here */
+            __m256 ratio = _mm256_div_ps(bmax, _mm256_set1_ps(6.0f * gs));
+            s = _mm256_mul_ps(v_round_minifloat(ratio, 3, -6, 448.f), _mm256_set1_ps(gs));
+        } else {
+            s = _mm256_set1_ps(1.f);
+        }
+        s = _mm256_blendv_ps(s, _mm256_set1_ps(1.f), _mm256_cmp_ps(s, _mm256_set1_ps(1e-5f), _CMP_LT_OQ));
+        float sc[8];
+        _mm256_storeu_ps(sc, s);
+        for (int k = 0; k < 8; ++k) {
+            __m256 sk = _mm256_set1_ps(sc[k]);
+            __m256 v0 = _mm256_loadu_ps(xc + 16 * k), v1 = _mm256_loadu_ps(xc + 16 * k + 8);
+            _mm256_storeu_ps(yc + 16 * k, v_nvfp4(v0, sk));
+            _mm256_storeu_ps(yc + 16 * k + 8, v_nvfp4(v1, sk));
+        }
+    }
+    if (k0 < nblk) nvfp4_run16(x + k0 * 16, y + k0 * 16, nblk - k0, gs, gs_valid);
+}
+
+/* mx_block for a block of a multiple of 8 elements. */
+AVX2 static void mx_block_avx2(const float* xs, float* ys, int64_t len, int mbits, int emin, float fmax) {
+    __m256 m = _mm256_setzero_ps();
+    for (int64_t i = 0; i < len; i += 8) m = _mm256_max_ps(v_abs(_mm256_loadu_ps(xs + i)), m);
+    float bmax = v_hmax1(m);
+    int32_t ue = 0;
+    if (bmax != 0.f && !isinf(bmax)) {
+        float ratio = bmax / fmax;
+        int32_t bits = f2i(ratio);
+        int32_t ef = (bits >> 23) & 0xFF, sig = bits & 0x7FFFFF;
+        int up = sig > 0 && ef != 0xFE && !(ef == 0 && sig <= 0x400000);
+        ue = up ? ef - 126 : ef - 127;
+    }
+    __m256 scale = _mm256_set1_ps(ldexpf(1.f, -ue)), unscale = _mm256_set1_ps(ldexpf(1.f, ue));
+    for (int64_t i = 0; i < len; i += 8) {
+        __m256 v = _mm256_loadu_ps(xs + i);
+        __m256 q = _mm256_mul_ps(v_round_minifloat(_mm256_mul_ps(v_abs(v), scale), mbits, emin, fmax), unscale);
+        __m256 o = _mm256_blendv_ps(q, _mm256_xor_ps(q, _mm256_set1_ps(-0.f)),
+                                    _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ));
+        _mm256_storeu_ps(ys + i, _mm256_blendv_ps(o, v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    }
+}
+#endif
+
+/* 1 when the AVX2 path exists in this build and the CPU runs it. */
+int vector_path_available(void) {
+#ifdef HAVE_AVX2_PATH
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
 /* Rows of whole blocks (the usual case) are one run of blocks: block t starts at t * block, so no
    per-block 64-bit integer division (about 12% of the time of a 16-element block). */
 #define FOR_EACH_BLOCK(CALL)                                                                   \
@@ -140,14 +265,21 @@ static inline void mx_block(const float* xs, float* ys, int64_t len, int mbits, 
             }                                                                                  \
     }
 
+/* x and y may be the same buffer (in place): every block is read whole before it is written.
+   vector: 1 uses the AVX2 path where vector_path_available(), 0 the scalar reference. */
 void nvfp4_fake_quant(const float* x, float* y, int64_t rows, int64_t n, int64_t block,
-                      float gs, int gs_valid, int nthreads) {
+                      float gs, int gs_valid, int nthreads, int vector) {
     if (block == 16 && n % 16 == 0) {
         int64_t nblk = rows * (n / 16), per = (nblk + nthreads - 1) / nthreads;
+        per = (per + 7) / 8 * 8;  /* whole chunks of 8 blocks per thread */
         #pragma omp parallel for num_threads(nthreads) schedule(static)
         for (int t = 0; t < nthreads; ++t) {
             int64_t b0 = t * per, b1 = (b0 + per < nblk) ? (b0 + per) : nblk;
-            if (b0 < b1) nvfp4_run16(x + b0 * 16, y + b0 * 16, b1 - b0, gs, gs_valid);
+            if (b0 >= b1) continue;
+#ifdef HAVE_AVX2_PATH
+            if (vector) { nvfp4_run16_avx2(x + b0 * 16, y + b0 * 16, b1 - b0, gs, gs_valid); continue; }
+#endif
+            nvfp4_run16(x + b0 * 16, y + b0 * 16, b1 - b0, gs, gs_valid);
         }
         return;
     }
@@ -155,7 +287,15 @@ void nvfp4_fake_quant(const float* x, float* y, int64_t rows, int64_t n, int64_t
 }
 
 void mx_fake_quant(const float* x, float* y, int64_t rows, int64_t n, int64_t block,
-                   int mbits, int emin, float fmax, int nthreads) {
+                   int mbits, int emin, float fmax, int nthreads, int vector) {
+#ifdef HAVE_AVX2_PATH
+    if (vector && block % 8 == 0 && n % block == 0) {
+        _Pragma("omp parallel for num_threads(nthreads) schedule(static)")
+        for (int64_t t = 0; t < rows * (n / block); ++t)
+            mx_block_avx2(x + t * block, y + t * block, block, mbits, emin, fmax);
+        return;
+    }
+#endif
     FOR_EACH_BLOCK(mx_block(xs, ys, len, mbits, emin, fmax))
 }
 """
@@ -197,8 +337,9 @@ def _build() -> ctypes.CDLL | None:
             os.replace(tmp_so, lib_path)  # atomic: concurrent builders never see a partial file
     lib = ctypes.CDLL(str(lib_path))
     i64, f32, i32, vp = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
-    lib.nvfp4_fake_quant.argtypes = [vp, vp, i64, i64, i64, f32, i32, i32]
-    lib.mx_fake_quant.argtypes = [vp, vp, i64, i64, i64, i32, i32, f32, i32]
+    lib.nvfp4_fake_quant.argtypes = [vp, vp, i64, i64, i64, f32, i32, i32, i32]
+    lib.mx_fake_quant.argtypes = [vp, vp, i64, i64, i64, i32, i32, f32, i32, i32]
+    lib.vector_path_available.restype = i32
     return lib
 
 
@@ -219,26 +360,68 @@ def native_available() -> bool:
     return _lib() is not None
 
 
+def vector_path() -> str | None:
+    """The vectorised kernel path this CPU runs (``"avx2"``), or ``None`` (the scalar path is used)."""
+    lib = _lib()
+    return "avx2" if lib is not None and lib.vector_path_available() and _VECTOR_ENABLED else None
+
+
+_VECTOR_ENABLED = os.environ.get("NEMO_FP4QAT_NATIVE_VECTOR", "1") != "0"
+
+
+@contextlib.contextmanager
+def use_vector_path(enabled: bool) -> Iterator[None]:
+    """Allow (default) or forbid the vectorised path inside the block; forbidding it runs the scalar reference."""
+    global _VECTOR_ENABLED
+    old, _VECTOR_ENABLED = _VECTOR_ENABLED, enabled
+    try:
+        yield
+    finally:
+        _VECTOR_ENABLED = old
+
+
 def _rows_cols(x: torch.Tensor) -> tuple[int, int]:
     n = x.shape[-1] if x.dim() else 1
     return (x.numel() // n if n else 0), n
 
 
-def native_nvfp4(x: torch.Tensor, gs: float, gs_valid: bool, block: int) -> torch.Tensor:
-    """NVFP4 fake quant of a contiguous float32 CPU tensor (``gs`` = amax / (6*448) in float32)."""
+def _output(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    assert x.dtype == torch.float32 and x.is_contiguous() and x.device.type == "cpu"
+    if out is None:
+        return torch.empty_like(x)
+    if out.dtype != torch.float32 or not out.is_contiguous() or out.device.type != "cpu" or out.shape != x.shape:
+        raise ValueError(
+            f"out must be a contiguous float32 CPU tensor of x's shape {tuple(x.shape)}; got {out.dtype} "
+            f"{tuple(out.shape)} on {out.device} (contiguous={out.is_contiguous()}). Pass out=None to allocate."
+        )
+    return out
+
+
+def native_nvfp4(
+    x: torch.Tensor, gs: float, gs_valid: bool, block: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """NVFP4 fake quant of a contiguous float32 CPU tensor (``gs`` = amax / (6*448) in float32).
+
+    ``out`` (a contiguous float32 tensor of ``x``'s shape, ``x`` itself included) receives the result
+    without an allocation; otherwise a new tensor is returned.
+    """
     lib = _lib()
-    assert lib is not None and x.dtype == torch.float32 and x.is_contiguous() and x.device.type == "cpu"
-    y = torch.empty_like(x)
+    assert lib is not None
+    y = _output(x, out)
     rows, n = _rows_cols(x)
-    lib.nvfp4_fake_quant(x.data_ptr(), y.data_ptr(), rows, n, block, gs, int(gs_valid), torch.get_num_threads())
+    vec = int(vector_path() is not None)
+    lib.nvfp4_fake_quant(x.data_ptr(), y.data_ptr(), rows, n, block, gs, int(gs_valid), torch.get_num_threads(), vec)
     return y
 
 
-def native_mx(x: torch.Tensor, mbits: int, emin: int, fmax: float, block: int) -> torch.Tensor:
-    """MX fake quant (E8M0 block scale) of a contiguous float32 CPU tensor."""
+def native_mx(
+    x: torch.Tensor, mbits: int, emin: int, fmax: float, block: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """MX fake quant (E8M0 block scale) of a contiguous float32 CPU tensor; ``out`` as for :func:`native_nvfp4`."""
     lib = _lib()
-    assert lib is not None and x.dtype == torch.float32 and x.is_contiguous() and x.device.type == "cpu"
-    y = torch.empty_like(x)
+    assert lib is not None
+    y = _output(x, out)
     rows, n = _rows_cols(x)
-    lib.mx_fake_quant(x.data_ptr(), y.data_ptr(), rows, n, block, mbits, emin, fmax, torch.get_num_threads())
+    vec = int(vector_path() is not None)
+    lib.mx_fake_quant(x.data_ptr(), y.data_ptr(), rows, n, block, mbits, emin, fmax, torch.get_num_threads(), vec)
     return y
