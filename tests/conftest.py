@@ -2,7 +2,8 @@
 
 With ``NEMO_FP4QAT_REQUIRE_NEMO=1`` (set by ``make test`` for the ``nemo`` environment) the session
 fails if no ``@pytest.mark.nemo`` test was collected or any of them was skipped: the NeMo stack
-must really be exercised there, not silently skipped.
+must really be exercised there, not silently skipped. ``NEMO_FP4QAT_REQUIRE_BRIDGE=1`` does the same for
+``@pytest.mark.bridge`` in the ``bridge`` environment.
 """
 
 from __future__ import annotations
@@ -23,34 +24,39 @@ sys.path.insert(0, str(Path(__file__).parent / "helpers"))  # the shared helpers
 # library functions are decorated then), so it is set before any test imports it.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-_nemo = {"collected": 0, "skipped": [], "passed": 0}
+# marker -> the variable that makes a session fail when none of its tests ran or any was skipped
+_REQUIRED = {"nemo": "NEMO_FP4QAT_REQUIRE_NEMO", "bridge": "NEMO_FP4QAT_REQUIRE_BRIDGE"}
+_seen = {m: {"collected": 0, "skipped": [], "passed": 0} for m in _REQUIRED}
 
 
 def pytest_collection_modifyitems(config, items):
-    _nemo["collected"] = sum(1 for it in items if it.get_closest_marker("nemo"))
+    for marker, seen in _seen.items():
+        seen["collected"] = sum(1 for it in items if it.get_closest_marker(marker))
 
 
 def pytest_runtest_logreport(report):
-    if "nemo" in report.keywords and report.when in ("setup", "call"):
-        if report.skipped:
-            _nemo["skipped"].append(report.nodeid)
-        elif report.when == "call" and report.passed:
-            _nemo["passed"] += 1
+    for marker, seen in _seen.items():
+        if marker in report.keywords and report.when in ("setup", "call"):
+            if report.skipped:
+                seen["skipped"].append(report.nodeid)
+            elif report.when == "call" and report.passed:
+                seen["passed"] += 1
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if os.environ.get("NEMO_FP4QAT_REQUIRE_NEMO") != "1":
-        return
-    problems = []
-    if _nemo["collected"] == 0:
-        problems.append("no @pytest.mark.nemo test was collected")
-    if _nemo["skipped"]:
-        problems.append(f"{len(_nemo['skipped'])} nemo tests were skipped: {_nemo['skipped'][:5]}")
-    if problems:
-        sys.stderr.write("\nNEMO_FP4QAT_REQUIRE_NEMO: " + "; ".join(problems) + "\n")
-        session.exitstatus = 1
-    else:
-        sys.stderr.write(f"\nNEMO_FP4QAT_REQUIRE_NEMO: {_nemo['passed']} nemo tests ran and passed\n")
+    for marker, var in _REQUIRED.items():
+        if os.environ.get(var) != "1":
+            continue
+        seen, problems = _seen[marker], []
+        if seen["collected"] == 0:
+            problems.append(f"no @pytest.mark.{marker} test was collected")
+        if seen["skipped"]:
+            problems.append(f"{len(seen['skipped'])} {marker} tests were skipped: {seen['skipped'][:5]}")
+        if problems:
+            sys.stderr.write(f"\n{var}: " + "; ".join(problems) + "\n")
+            session.exitstatus = 1
+        else:
+            sys.stderr.write(f"\n{var}: {seen['passed']} {marker} tests ran and passed\n")
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,6 @@
 """The package's floors: no module imports a folder above its own (read from the source, not by importing).
 
-numerics -> qat -> monitor, eval -> export -> lightning -> demo -> nemo, serve -> cli. The root
+numerics, megatron_cpu -> qat -> monitor, eval -> export -> lightning -> demo -> nemo, bridge, serve -> cli. The root
 ``__init__`` only re-exports; a module inside the package importing the root would pull every floor in.
 """
 
@@ -15,6 +15,7 @@ PKG = Path(__file__).resolve().parents[1] / "nemo_fp4qat"
 LAYERS = {
     "specs": 0,
     "numerics": 0,
+    "megatron_cpu": 0,
     "qat": 1,
     "monitor": 2,
     "eval": 2,
@@ -22,6 +23,7 @@ LAYERS = {
     "lightning": 4,
     "demo": 5,
     "nemo": 6,
+    "bridge": 6,
     "serve": 6,
     "cli": 7,
 }

@@ -178,6 +178,31 @@ def _ensure_architectures(model: nn.Module) -> None:
         model.config.architectures = [type(model).__name__]
 
 
+@contextlib.contextmanager
+def _copyable_config(model: nn.Module) -> Iterator[None]:
+    """modelopt's TensorRT-LLM export deep-copies a megatron model's ``config.__dict__``; a Megatron-Bridge model's
+    config is its model provider, which also holds process groups and pre-wrap hooks that cannot be copied. For the
+    export the model carries a shallow copy of its config without those entries (the export reads none of them),
+    and with megatron-core 0.19's ``rope_scaling=False`` read as "no rope scaling"."""
+    config = getattr(model, "config", None)
+    if config is None or _is_hf_model(model):
+        yield
+        return
+    slim = copy.copy(config)
+    for key, value in list(vars(config).items()):
+        try:
+            copy.deepcopy(value)
+        except Exception:  # process groups, closures over them: not part of the exported architecture
+            delattr(slim, key)
+    if getattr(slim, "rope_scaling", None) is False:  # megatron-core's flag; modelopt reads a dict or None
+        slim.rope_scaling = None
+    model.config = slim
+    try:
+        yield
+    finally:
+        model.config = config
+
+
 def _export_trtllm(model: nn.Module, out: Path, cfg: ExportConfig) -> None:
     from modelopt.torch.export import export_tensorrt_llm_checkpoint
 
@@ -190,7 +215,7 @@ def _export_trtllm(model: nn.Module, out: Path, cfg: ExportConfig) -> None:
             "supports for decoder types such as 'llama' or 'gpt2' but not 'gpt'. Train with "
             "share_embeddings_and_output_weights=False, or pass decoder_type for a decoder that shares them."
         )
-    with modelopt_export_on_cpu(), torch.inference_mode():
+    with modelopt_export_on_cpu(), torch.inference_mode(), _copyable_config(model):
         export_tensorrt_llm_checkpoint(
             model,
             decoder_type=decoder,

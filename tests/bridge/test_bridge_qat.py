@@ -1,0 +1,68 @@
+"""FP4 QAT through Megatron-Bridge's own training loop (real Megatron-Bridge 0.6.2 on the CPU, gloo).
+
+Each run is a subprocess (``tests/workers/bridge_trainer_worker.py``): Bridge's ``pretrain`` initializes
+torch.distributed and megatron's global state once per process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from paths import WORKERS, worker_env
+
+pytestmark = pytest.mark.bridge
+
+
+def _run(tmp_path, name: str, ckpt, **env) -> dict:
+    out = tmp_path / f"{name}.json"
+    proc = subprocess.run(
+        [sys.executable, str(WORKERS / "bridge_trainer_worker.py"), str(out), str(ckpt)],
+        env=worker_env(**{k: str(v) for k, v in env.items()}),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    data = json.loads(out.read_text())
+    data["log"] = proc.stdout + proc.stderr
+    return data
+
+
+def test_bridge_qat_calibrates_switches_resumes_exactly_and_exports(tmp_path):
+    full = _run(tmp_path, "full", tmp_path / "full_ckpt", STEPS=5, SAVE_INTERVAL=100, SWITCH_AT=2,
+                EXPORT_DIR=tmp_path / "export")  # fmt: skip
+    # calibrated before the first step, FP8 for steps 1-2, NVFP4 (dynamic E2M1 blocks) from step 3
+    assert full["formats"]["1"] == ["(4, 3)", False] and full["formats"]["2"] == ["(4, 3)", False]
+    assert full["formats"]["3"] == ["(2, 1)", True] and full["formats"]["5"] == ["(2, 1)", True]
+    assert [(h["step"], h["from"], h["to"]) for h in full["history"]][:1] == [(2, "fp8", "nvfp4")]
+    assert "calibrated on" in full["log"]
+    assert full["fc1_input_amax"] > 0 and full["fc1_weight_amax"] > 0
+    assert len(full["losses"]) == 5 and all(v == v for v in full["losses"].values())
+    # the end-of-training export is a TensorRT-LLM checkpoint the validator accepts code for code
+    export = full["export"]
+    assert export["ok"], export["errors"]
+    assert export["algo"] == "NVFP4", export  # fp_embeddings: every linear NVFP4, embeddings and output 16-bit
+    # 2 layers x (qkv, dense, fc, gate, proj): TensorRT-LLM splits the gated fc1 into fc and gate
+    assert sum(a == "NVFP4" for a in export["layers"].values()) == 10, export["layers"]
+    # checked against the trained model at export: every FP4 code is the one training used
+    assert export["numeric"]["layers_compared"] == 10 and export["numeric"]["fp4_codes_different"] == 0
+
+    # killed after step 3 (checkpoint there), resumed: steps 4-5 as in the uninterrupted run, bit for bit
+    ckpt = tmp_path / "ckpt"
+    first = _run(tmp_path, "first", ckpt, STEPS=5, SAVE_INTERVAL=3, EXIT_AT=3, SWITCH_AT=2)
+    assert sorted(first["losses"]) == ["1", "2", "3"]
+    assert (ckpt / "iter_0000003" / "nemo_fp4qat_state.pt").exists()
+    resumed = _run(tmp_path, "resumed", ckpt, STEPS=5, SAVE_INTERVAL=100, SWITCH_AT=2)
+    assert resumed["resumed"] is True
+    assert sorted(resumed["losses"]) == ["4", "5"]
+    for step in ("1", "2", "3"):
+        assert first["losses"][step] == full["losses"][step]
+    for step in ("4", "5"):
+        assert resumed["losses"][step] == full["losses"][step], (step, resumed["losses"], full["losses"])
+        assert resumed["formats"][step] == full["formats"][step]
+    for key in ("fc1_weight_amax", "fc1_input_amax", "fc1_weight_sum"):
+        assert resumed[key] == full[key], key

@@ -1,0 +1,130 @@
+"""A tiny megatron-core GPT trained with Megatron-Bridge's own ``pretrain`` loop on the CPU, with FP4 QAT.
+
+Usage: ``python bridge_trainer_worker.py OUT_JSON CKPT_DIR`` with env ``STEPS`` (train_iters, default 6),
+``EXIT_AT`` (stop after that step, saving a checkpoint there), ``SAVE_INTERVAL`` (default 3), ``EXPORT_DIR``
+(export at the end of training), ``SWITCH_AT`` (the step FP8 becomes NVFP4, default 2). A checkpoint in
+CKPT_DIR is resumed. Writes losses per step, the probe layer's formats per step, and the final amax to OUT_JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+STEPS = int(os.environ.get("STEPS", "6"))
+EXIT_AT = int(os.environ["EXIT_AT"]) if os.environ.get("EXIT_AT") else None
+SAVE_INTERVAL = int(os.environ.get("SAVE_INTERVAL", "3"))
+EXPORT_DIR = os.environ.get("EXPORT_DIR")
+SWITCH_AT = int(os.environ.get("SWITCH_AT", "2"))
+SEQ, VOCAB = 32, 256
+
+if __name__ == "__main__":
+    out_json, ckpt = sys.argv[1], sys.argv[2]
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    from nemo_fp4qat import QATConfig
+    from nemo_fp4qat.bridge import FP4QATBridgeCallback, bridge_cpu_mode
+
+    with bridge_cpu_mode():
+        import torch
+        from megatron.bridge.models.gpt_provider import GPTModelProvider, local_layer_spec
+        from megatron.bridge.training.callbacks import Callback
+        from megatron.bridge.training.config import (
+            CheckpointConfig,
+            ConfigContainer,
+            DistributedInitConfig,
+            LoggerConfig,
+            MockGPTDatasetConfig,
+            OptimizerConfig,
+            RNGConfig,
+            SchedulerConfig,
+            TokenizerConfig,
+            TrainingConfig,
+            ValidationConfig,
+        )
+        from megatron.bridge.training.gpt_step import forward_step
+        from megatron.bridge.training.pretrain import pretrain
+        from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.transformer.enums import AttnBackend
+        from megatron.core.utils import unwrap_model
+
+        model = GPTModelProvider(
+            num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4, seq_length=SEQ,
+            vocab_size=VOCAB, make_vocab_size_divisible_by=128, transformer_layer_spec=local_layer_spec,
+            attention_backend=AttnBackend.local, bf16=False, fp16=False, params_dtype=torch.float32,
+            pipeline_dtype=torch.float32, bias_activation_fusion=False, bias_dropout_fusion=False,
+            masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
+            cross_entropy_loss_fusion=False, attention_dropout=0.0, hidden_dropout=0.0,
+            position_embedding_type="rope", normalization="RMSNorm", activation_func=torch.nn.functional.silu,
+            gated_linear_unit=True, add_bias_linear=False, share_embeddings_and_output_weights=False,
+        )  # fmt: skip
+        cfg = ConfigContainer(
+            model=model,
+            train=TrainingConfig(train_iters=STEPS, global_batch_size=4, micro_batch_size=2, exit_interval=EXIT_AT),
+            validation=ValidationConfig(eval_interval=1000, eval_iters=0),
+            optimizer=OptimizerConfig(optimizer="adam", lr=3e-3, min_lr=3e-4, weight_decay=0.01, clip_grad=1.0,
+                                      bf16=False, fp16=False, params_dtype=torch.float32,
+                                      use_distributed_optimizer=False),
+            scheduler=SchedulerConfig(lr_decay_style="cosine", lr_warmup_iters=2, lr_decay_iters=STEPS,
+                                      start_weight_decay=0.01, end_weight_decay=0.01,
+                                      weight_decay_incr_style="constant"),
+            ddp=DistributedDataParallelConfig(check_for_nan_in_grad=False, grad_reduce_in_fp32=False,
+                                              overlap_grad_reduce=False, overlap_param_gather=False,
+                                              use_distributed_optimizer=False),
+            dataset=MockGPTDatasetConfig(seq_length=SEQ, random_seed=1234, reset_position_ids=False,
+                                         reset_attention_mask=False, eod_mask_loss=False,
+                                         num_dataset_builder_threads=1, dataloader_type="single", num_workers=0,
+                                         pin_memory=False, split="98,1,1"),
+            logger=LoggerConfig(log_interval=1),
+            tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=VOCAB),
+            checkpoint=CheckpointConfig(save=ckpt, load=ckpt, save_interval=SAVE_INTERVAL, ckpt_format="torch_dist",
+                                        async_save=False, fully_parallel_save=False, fully_parallel_load=False),
+            rng=RNGConfig(seed=1234),
+            dist=DistributedInitConfig(distributed_backend="gloo"),
+            mixed_precision=None,
+        )  # fmt: skip
+        qat = FP4QATBridgeCallback(
+            QATConfig(
+                policy="fp_embeddings",
+                schedule={"stages": [{"start": 0, "format": "fp8"}, {"start": SWITCH_AT, "format": "target"}]},
+                calibration={"num_samples": 4},
+                export_dir=EXPORT_DIR,
+            )
+        )
+        qat.install(cfg)
+        record: dict = {"losses": {}, "formats": {}, "resumed": qat.resuming}
+
+        def dump():  # after every step too: Bridge's exit_interval ends the process from inside pretrain
+            with open(out_json, "w") as f:
+                json.dump(record, f, indent=1)
+
+        def fc1(context):
+            return unwrap_model(context.model[0]).decoder.layers[0].mlp.linear_fc1
+
+        class Probe(Callback):
+            def on_train_step_end(self, context):
+                step = int(context.state.train_state.step) + 1  # Bridge counts the step after this event
+                record["losses"][step] = float(context.loss_dict["lm loss"])
+                q = fc1(context).weight_quantizer
+                record["formats"][step] = [str(q.num_bits), bool(q.block_sizes)]
+                dump()
+
+            def on_train_end(self, context):
+                layer = fc1(context)
+                record["fc1_weight_amax"] = float(layer.weight_quantizer.amax)
+                record["fc1_input_amax"] = float(layer.input_quantizer.amax)
+                record["fc1_weight_sum"] = float(layer.weight.detach().double().sum())
+                record["history"] = qat.controller.history
+
+        pretrain(cfg, qat.forward_step(forward_step), callbacks=[qat, Probe()])
+        if EXPORT_DIR and qat.exported is not None:
+            from nemo_fp4qat.export.validate import validate_export
+
+            rep = validate_export(qat.exported)  # as a deployer sees it: the files alone
+            at_export = json.loads((qat.exported / "validation.json").read_text())  # checked against the model
+            errors = [str(p) for p in rep.errors]
+            record["export"] = {"path": str(qat.exported), "ok": rep.ok, "errors": errors, "algo": rep.quant_algo,
+                                "layers": rep.layers, "numeric": at_export["numeric"]}  # fmt: skip
+        dump()
