@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -102,16 +103,18 @@ static void nvfp4_run16(const float* x, float* y, int64_t nblk, float gs, int gs
     }
 }
 
+/* exponent of the E8M0 unscale 2**ceil(log2(bmax / fmax)) (no rounding up for exact powers of two); 0 for a
+   zero or infinite block amax */
+static inline int32_t mx_unscale_exponent(float bmax, float fmax) {
+    if (bmax == 0.f || isinf(bmax)) return 0;
+    int32_t bits = f2i(bmax / fmax);
+    int32_t ef = (bits >> 23) & 0xFF, sig = bits & 0x7FFFFF;
+    int up = sig > 0 && ef != 0xFE && !(ef == 0 && sig <= 0x400000);
+    return up ? ef - 126 : ef - 127;
+}
+
 static inline void mx_block(const float* xs, float* ys, int64_t len, int mbits, int emin, float fmax) {
-    float bmax = block_amax(xs, len);
-    int32_t ue = 0;
-    if (bmax != 0.f && !isinf(bmax)) {
-        float ratio = bmax / fmax;
-        int32_t bits = f2i(ratio);
-        int32_t ef = (bits >> 23) & 0xFF, sig = bits & 0x7FFFFF;
-        int up = sig > 0 && ef != 0xFE && !(ef == 0 && sig <= 0x400000);
-        ue = up ? ef - 126 : ef - 127;
-    }
+    int32_t ue = mx_unscale_exponent(block_amax(xs, len), fmax);
     float scale = ldexpf(1.f, -ue), unscale = ldexpf(1.f, ue);
     #pragma omp simd
     for (int64_t i = 0; i < len; ++i) {
@@ -215,15 +218,7 @@ AVX2 static void nvfp4_run16_avx2(const float* x, float* y, int64_t nblk, float 
 AVX2 static void mx_block_avx2(const float* xs, float* ys, int64_t len, int mbits, int emin, float fmax) {
     __m256 m = _mm256_setzero_ps();
     for (int64_t i = 0; i < len; i += 8) m = _mm256_max_ps(v_abs(_mm256_loadu_ps(xs + i)), m);
-    float bmax = v_hmax1(m);
-    int32_t ue = 0;
-    if (bmax != 0.f && !isinf(bmax)) {
-        float ratio = bmax / fmax;
-        int32_t bits = f2i(ratio);
-        int32_t ef = (bits >> 23) & 0xFF, sig = bits & 0x7FFFFF;
-        int up = sig > 0 && ef != 0xFE && !(ef == 0 && sig <= 0x400000);
-        ue = up ? ef - 126 : ef - 127;
-    }
+    int32_t ue = mx_unscale_exponent(v_hmax1(m), fmax);
     __m256 scale = _mm256_set1_ps(ldexpf(1.f, -ue)), unscale = _mm256_set1_ps(ldexpf(1.f, ue));
     for (int64_t i = 0; i < len; i += 8) {
         __m256 v = _mm256_loadu_ps(xs + i);
@@ -360,10 +355,15 @@ def native_available() -> bool:
     return _lib() is not None
 
 
+@functools.lru_cache(maxsize=1)
+def _cpu_has_vector_path() -> bool:
+    lib = _lib()
+    return lib is not None and bool(lib.vector_path_available())
+
+
 def vector_path() -> str | None:
     """The vectorised kernel path this CPU runs (``"avx2"``), or ``None`` (the scalar path is used)."""
-    lib = _lib()
-    return "avx2" if lib is not None and lib.vector_path_available() and _VECTOR_ENABLED else None
+    return "avx2" if _VECTOR_ENABLED and _cpu_has_vector_path() else None
 
 
 _VECTOR_ENABLED = os.environ.get("NEMO_FP4QAT_NATIVE_VECTOR", "1") != "0"
