@@ -13,7 +13,14 @@ front ends, so policies, schedules, calibration and export behave identically):
 * Bridge's callback events drive the schedule (``on_train_step_start``), save the controller's state and the
   calibration batches beside each checkpoint (``on_checkpoint_save``: ``<iter_dir>/nemo_fp4qat_state.pt``;
   Bridge's checkpoint has no place for a callback's state), restore them on resume (``on_train_start``) and
-  export at the end (``on_train_end``).
+  export at the end (``on_train_end``): a unified Hugging Face checkpoint when the model was imported from one
+  (``AutoBridge``), else a TensorRT-LLM checkpoint; validated against the trained model before it is published.
+* QAD (``QATConfig.distillation``): at ``on_train_start``, once Bridge has loaded the weights, a frozen copy of
+  the model with its quantizers off becomes the teacher (or the megatron-core model given as the teacher), and
+  its per-token KL takes the cross entropy's place inside the student
+  (:class:`~nemo_fp4qat.qat.megatron_distillation.MegatronDistiller`), so Bridge's loss reduction and logging
+  stay as they are. The copied teacher's weights are saved once beside the checkpoints
+  (``<save>/nemo_fp4qat_teacher.pt``) so that a resumed run distils from the same teacher.
 """
 
 from __future__ import annotations
@@ -30,12 +37,15 @@ import torch.nn as nn
 from ..qat.batches import collect_batches
 from ..qat.config import QATConfig
 from ..qat.controller import QATController
+from ..qat.distillation import DistillationConfig
+from ..qat.megatron_distillation import MegatronDistiller, freeze, frozen_copy
 from ..specs import ConfigError, from_fields
 
-__all__ = ["STATE_FILE", "FP4QATBridgeCallback", "bridge_gpt_forward"]
+__all__ = ["STATE_FILE", "TEACHER_FILE", "FP4QATBridgeCallback", "bridge_gpt_forward"]
 
 log = logging.getLogger("nemo_fp4qat")
 STATE_FILE = "nemo_fp4qat_state.pt"
+TEACHER_FILE = "nemo_fp4qat_teacher.pt"
 
 try:  # subclass Bridge's Callback where Bridge is installed (its CallbackManager accepts only those)
     from megatron.bridge.training.callbacks import Callback as _BridgeCallback
@@ -45,6 +55,12 @@ except ImportError:  # pragma: no cover - the module still imports for documenta
 
 def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _save_atomic(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)  # a checkpoint never holds half a file
 
 
 def _unwrap(model: Any) -> nn.Module:
@@ -106,7 +122,7 @@ class FP4QATBridgeCallback(_BridgeCallback):
 
     Raises:
         ConfigError: a field of ``config`` is wrong, or (at :meth:`install`) the run uses pipeline or virtual
-            pipeline parallelism, or asks for QAD, which this front end does not run yet.
+            pipeline parallelism, or QAD with tensor parallelism (the per-token KL needs the whole vocabulary).
 
     Example:
         >>> qat = FP4QATBridgeCallback(QATConfig(policy="default", schedule="progressive"))
@@ -120,6 +136,17 @@ class FP4QATBridgeCallback(_BridgeCallback):
             config = QATConfig()
         self.config = config if isinstance(config, QATConfig) else from_fields(QATConfig, config, "QATConfig")
         self.controller = QATController.from_config(self.config, forward_fn=bridge_gpt_forward)
+        self.qad = DistillationConfig.resolve_spec(self.config.distillation)
+        if self.qad is not None and isinstance(self.qad.teacher, (str, Path)):
+            raise ConfigError(
+                f"distillation teacher {str(self.qad.teacher)!r}: the Megatron-Bridge front end takes the teacher as "
+                "a megatron-core model (e.g. AutoBridge.from_hf_pretrained(path).to_megatron_provider()"
+                ".provide_distributed_model(wrap_with_ddp=False)[0]) or None, for the model as Bridge loaded it "
+                "before quantization."
+            )
+        self._default_export: dict[str, Any] = {"kind": "trtllm"}
+        self.distiller: MegatronDistiller | None = None
+        self._teacher_saved = False
         self.calibration_data = calibration_data
         self.resuming = False
         self.exported: Path | None = None
@@ -144,16 +171,21 @@ class FP4QATBridgeCallback(_BridgeCallback):
                     f"parallelism; set {field}=1, or train with pipeline parallelism through NeMo 2 "
                     "(nemo_fp4qat.nemo.with_fp4_qat)."
                 )
-        if self.config.distillation is not None:
+        tp = getattr(model, "tensor_model_parallel_size", 1) or 1
+        if self.qad is not None and tp > 1:
             raise ConfigError(
-                "distillation: QAD through Megatron-Bridge is not available in this version; use "
-                "distillation=None here, or run QAD through NeMo 2 (nemo_fp4qat.nemo.with_fp4_qat)."
+                f"distillation (QAD) with tensor_model_parallel_size={tp}: this front end distils at TP=1 (its "
+                "per-token KL needs the whole vocabulary); use data parallelism, or Megatron-Bridge's own "
+                "distillation (convert_to_distillation_provider) for a model-parallel teacher."
             )
         model.gradient_accumulation_fusion = False
         load = getattr(cfg.checkpoint, "load", None)
         self.resuming = bool(load) and checkpoint_exists(load)
+        self._load_dir = load if self.resuming else None
         if self.resuming and has_modelopt_state(load):
             model.restore_modelopt_state = True
+        hf = getattr(model, "hf_model_id", None)  # set by AutoBridge.to_megatron_provider
+        self._default_export = {"kind": "hf", "hf_model": str(hf)} if hf else {"kind": "trtllm"}
         if self.controller.total_steps is None and getattr(cfg.train, "train_iters", None):
             self.controller.total_steps = int(cfg.train.train_iters)
         if not self._installed:
@@ -216,8 +248,41 @@ class FP4QATBridgeCallback(_BridgeCallback):
                 "FP4QATBridgeCallback was not installed on this run's config: call qat.install(cfg) before "
                 "pretrain(cfg, qat.forward_step(forward_step), callbacks=[qat])."
             )
+        if self.qad is not None and self.distiller is None:
+            self._start_distillation(model, resumed=self.resuming and step > 0)
         if self.calibration_data is not None and self.needs_calibration:
             self._calibrate(model, self.calibration_data)
+
+    def _start_distillation(self, student: nn.Module, resumed: bool) -> None:
+        assert self.qad is not None
+        given = self.qad.teacher
+        if isinstance(given, nn.Module):
+            teacher, source = freeze(given, like=student), "the given model"
+        else:
+            teacher, source = frozen_copy(student), "a copy of the model as loaded, quantizers off"
+            if resumed:
+                self._load_teacher(teacher)
+                source = f"restored from {Path(self._load_dir or '') / TEACHER_FILE}"
+        self.distiller = MegatronDistiller(student, teacher, self.qad)
+        if _rank() == 0:
+            log.info("nemo_fp4qat: QAD teacher (%s) holds %.1f MiB (alpha %s, T %s)", source,
+                     self.distiller.teacher_bytes() / 2**20, self.qad.alpha, self.qad.temperature)  # fmt: skip
+
+    def _load_teacher(self, teacher: nn.Module) -> None:
+        path = Path(self._load_dir or "") / TEACHER_FILE
+        if not path.is_file():
+            raise ConfigError(
+                f"distillation (QAD): resuming from {path.parent}, which has no {TEACHER_FILE} (the teacher the run "
+                "started with); give the teacher as distillation={'teacher': megatron_core_model}."
+            )
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        params = dict(teacher.named_parameters())
+        missing = sorted(set(params) - set(saved))
+        if missing:
+            raise ConfigError(f"{path} does not hold this model's teacher (no {missing[:3]}...).")
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(saved[name])
 
     def on_train_step_start(self, context: Any) -> None:
         step = int(context.state.train_state.step)
@@ -233,9 +298,13 @@ class FP4QATBridgeCallback(_BridgeCallback):
             return
         iter_dir = Path(get_checkpoint_name(context.state.cfg.checkpoint.save, context.state.train_state.step))
         payload = {"controller": self.controller.state_dict(), "calib_batches": self.controller.calib_batches}
-        tmp = iter_dir / (STATE_FILE + ".tmp")
-        torch.save(payload, tmp)
-        os.replace(tmp, iter_dir / STATE_FILE)  # a checkpoint never holds half a state file
+        _save_atomic(payload, iter_dir / STATE_FILE)
+        save_dir = Path(context.state.cfg.checkpoint.save)
+        if self.distiller is not None and not isinstance(self.qad.teacher, nn.Module):  # type: ignore[union-attr]
+            if not self._teacher_saved and not (save_dir / TEACHER_FILE).is_file():
+                params = {k: v.detach().cpu() for k, v in self.distiller.teacher.named_parameters()}
+                _save_atomic(params, save_dir / TEACHER_FILE)
+            self._teacher_saved = True
 
     def _restore(self, model: nn.Module, load_dir: str, step: int) -> None:
         from megatron.bridge.training.utils.checkpoint_utils import get_checkpoint_name
@@ -256,14 +325,18 @@ class FP4QATBridgeCallback(_BridgeCallback):
             log.info("nemo_fp4qat: QAT state restored from %s (step %d)", path.parent, step)
 
     def on_train_end(self, context: Any) -> None:
+        if self.distiller is not None:
+            self.distiller.remove()
+            self.distiller = None
         if self.config.export_dir and _rank() == 0:
             self.exported = self.export_model(_unwrap(context.model), self.config.export_dir)
 
     def export_model(self, model: nn.Module, out_dir: str | Path) -> Path:
-        """Export the quantized megatron-core model (``config.export``; TensorRT-LLM checkpoint by default)."""
+        """Export the quantized megatron-core model (``config.export``; by default a unified HF checkpoint for a
+        model imported from Hugging Face, else a TensorRT-LLM checkpoint)."""
         from ..export import export_checkpoint
 
-        export = self.config.export or {"kind": "trtllm"}
+        export = self.config.export or self._default_export
         path = Path(export_checkpoint(model, str(out_dir), export))
         log.info("nemo_fp4qat: exported to %s", path)
         return path

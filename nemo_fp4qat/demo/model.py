@@ -10,10 +10,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +38,31 @@ def smollm2_dir() -> Path:
 
 
 def _cache_dir() -> Path:
+    """One converted copy per transformers major version: the tokenizer files transformers 5 writes (its
+    ``TokenizersBackend`` class) do not load in transformers 4, and the environments share the cache."""
+    import transformers
+
     base = os.environ.get("NEMO_FP4QAT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "nemo_fp4qat")
-    return Path(base) / "smollm2-135m-instruct-hf"
+    major = transformers.__version__.split(".", 1)[0]
+    return Path(base) / f"smollm2-135m-instruct-hf-transformers{major}"
+
+
+@contextlib.contextmanager
+def _gguf_bar_follows_transformers() -> Iterator[None]:
+    """transformers' GGUF loader draws its tqdm bar whatever transformers' progress-bar switch says; with the
+    switch off (the demo's terminal), the conversion is silent too."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is None or hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
 
 
 def smollm2_hf_dir() -> Path:
@@ -47,8 +73,9 @@ def smollm2_hf_dir() -> Path:
     cache = _cache_dir()
     if not (cache / "config.json").exists():
         src = smollm2_dir()
-        tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_FILE)
-        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_FILE, dtype=torch.float32)
+        with _gguf_bar_follows_transformers():
+            tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_FILE)
+            model = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_FILE, dtype=torch.float32)
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=cache.parent, prefix=".convert-"))
         model.save_pretrained(tmp)

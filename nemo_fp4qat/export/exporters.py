@@ -67,6 +67,9 @@ class ExportConfig:
         overwrite: replace an existing directory (only once the new export is complete).
         validate: re-read and check the written checkpoint against the model before publishing it.
         plan: :class:`EnginePlan` (or dict) for the build plan written beside the checkpoint.
+        hf_model: for ``"hf"`` of a megatron-core model (NeMo 2, Megatron-Bridge): the Hugging Face folder (or
+            hub id) the model was imported from, whose ``config.json`` and tokenizer the checkpoint carries
+            (modelopt's ``export_mcore_gpt_to_hf``).
     """
 
     kind: str = "hf"
@@ -77,6 +80,7 @@ class ExportConfig:
     overwrite: bool = False
     validate: bool = True
     plan: Any = field(default=None)
+    hf_model: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in EXPORT_KINDS:
@@ -132,10 +136,8 @@ def _export_hf(model: nn.Module, out: Path, cfg: ExportConfig) -> None:
     from modelopt.torch.export import export_hf_checkpoint
 
     if not _is_hf_model(model):
-        raise ValueError(
-            f"kind='hf' exports Hugging Face models; {type(model).__name__} is not one. For NeMo / megatron-core "
-            "models use kind='trtllm' (qnemo), which NeMo's TensorRTLLM exporter builds engines from."
-        )
+        _export_mcore_hf(model, out, cfg)
+        return
     # modelopt's HF exporter replaces the weights of the model it is given with packed ones: export a copy
     # so the trained model stays usable (the training run may go on, or be evaluated after export).
     work = copy.deepcopy(model)
@@ -143,6 +145,28 @@ def _export_hf(model: nn.Module, out: Path, cfg: ExportConfig) -> None:
     with modelopt_export_on_cpu(), _fp8_weights_divided_in_float32(), torch.inference_mode():
         export_hf_checkpoint(work, dtype=_dtype(model, cfg), export_dir=str(out))
     del work
+
+
+def _export_mcore_hf(model: nn.Module, out: Path, cfg: ExportConfig) -> None:
+    """A megatron-core GPT to a unified HF checkpoint, in the layout of the HF model it was imported from."""
+    try:
+        from modelopt.torch.export import export_mcore_gpt_to_hf
+    except ImportError:
+        export_mcore_gpt_to_hf = None
+    if not hasattr(model, "decoder") or export_mcore_gpt_to_hf is None:
+        raise ValueError(
+            f"kind='hf' exports Hugging Face models and megatron-core GPT models (modelopt >= 0.4x's "
+            f"export_mcore_gpt_to_hf); {type(model).__name__} is neither, or this modelopt lacks the exporter. "
+            "Use kind='trtllm' (qnemo), which NeMo's TensorRTLLM exporter builds engines from."
+        )
+    if not cfg.hf_model:
+        raise ValueError(
+            "kind='hf' of a megatron-core model needs the Hugging Face model it was imported from: set "
+            "export={'kind': 'hf', 'hf_model': '/path/to/hf_model'} (its config.json and tokenizer are written "
+            "beside the weights), or use kind='trtllm'."
+        )
+    with modelopt_export_on_cpu(), _fp8_weights_divided_in_float32(), torch.inference_mode():
+        export_mcore_gpt_to_hf(model, cfg.hf_model, dtype=_dtype(model, cfg), export_dir=str(out))
 
 
 @contextlib.contextmanager

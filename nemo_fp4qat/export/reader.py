@@ -40,6 +40,8 @@ def load_export(path: str | Path) -> tuple[str, dict[str, Any], list[dict[str, t
         tensors: dict[str, torch.Tensor] = {}
         for f in sorted(path.glob("*.safetensors")):
             tensors.update(load_file(str(f)))
+        if (path / "config.json").is_file():  # the model's shape (head counts) for the numeric check
+            qcfg["_config"] = json.loads((path / "config.json").read_text())
         return kind, qcfg, [tensors]
     config = json.loads((path / "config.json").read_text())
     qcfg = dict(config.get("quantization") or {})

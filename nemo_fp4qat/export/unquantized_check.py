@@ -47,15 +47,29 @@ _TRTLLM_SOURCES: list[tuple[str, list[str]]] = [
     (r"transformer\.layers\.(\d+)\.attention\.dense\.bias", [r"decoder.layers.\1.self_attention.linear_proj.bias"]),
     (r"transformer\.layers\.(\d+)\.mlp\.proj\.bias", [r"decoder.layers.\1.mlp.linear_fc2.bias"]),
 ]
+# Hugging Face names (a megatron-core model exported to a unified HF checkpoint) -> megatron-core tensors
+_HF_SOURCES: list[tuple[str, list[str]]] = [
+    (r"model\.embed_tokens\.weight", ["embedding.word_embeddings.weight"]),
+    (
+        r"model\.layers\.(\d+)\.input_layernorm\.(weight|bias)",
+        [r"decoder.layers.\1.input_layernorm.\2", r"decoder.layers.\1.self_attention.linear_qkv.layer_norm_\2"],
+    ),
+    (
+        r"model\.layers\.(\d+)\.post_attention_layernorm\.(weight|bias)",
+        [r"decoder.layers.\1.pre_mlp_layernorm.\2", r"decoder.layers.\1.mlp.linear_fc1.layer_norm_\2"],
+    ),
+    (r"model\.norm\.(weight|bias)", [r"decoder.final_layernorm.\1"]),
+    (r"lm_head\.weight", ["output_layer.weight", "embedding.word_embeddings.weight"]),
+]
 
 
 _NORM = re.compile(r"(norm|ln_f)")
 
 
 def _source(name: str, kind: str, state: dict[str, torch.Tensor]) -> torch.Tensor | None:
-    if kind == "hf":
-        return state.get(name)
-    for pattern, candidates in _TRTLLM_SOURCES:
+    if kind == "hf" and name in state:
+        return state[name]
+    for pattern, candidates in _HF_SOURCES if kind == "hf" else _TRTLLM_SOURCES:
         if re.fullmatch(pattern, name):
             for c in candidates:
                 found = state.get(re.sub(pattern, c, name))

@@ -32,6 +32,14 @@ _HF = [
     (r"transformer\.layers\.(\d+)\.mlp\.gate", ["up_proj"], "mlp"),
     (r"transformer\.layers\.(\d+)\.mlp\.proj", ["down_proj"], "mlp"),
 ]
+# Hugging Face Llama-family names -> megatron-core modules (a megatron-core model exported to a unified HF
+# checkpoint): the part of the fused module each one is
+_MCORE_FROM_HF = [
+    (r"model\.layers\.(\d+)\.self_attn\.(q|k|v)_proj", r"decoder.layers.\1.self_attention.linear_qkv"),
+    (r"model\.layers\.(\d+)\.self_attn\.o_proj", r"decoder.layers.\1.self_attention.linear_proj"),
+    (r"model\.layers\.(\d+)\.mlp\.(gate|up)_proj", r"decoder.layers.\1.mlp.linear_fc1"),
+    (r"model\.layers\.(\d+)\.mlp\.down_proj", r"decoder.layers.\1.mlp.linear_fc2"),
+]
 
 
 def _qkv_rows(config: dict[str, Any]) -> torch.Tensor:
@@ -60,8 +68,8 @@ def model_reference(
     counterpart)."""
     if name in modules:
         return _fake_quant(modules[name])
-    if kind != "trtllm":
-        return None
+    if kind == "hf":
+        return _mcore_part(modules, name, config)
     for pat, leaves, block in _HF:  # Hugging Face model exported to a TRT-LLM checkpoint
         m = re.fullmatch(pat, name)
         found = [modules.get(f"model.layers.{m.group(1)}.{block}.{leaf}") for leaf in leaves] if m else []
@@ -82,6 +90,29 @@ def model_reference(
     if target.endswith("linear_fc1") and f"{name.rsplit('.', 1)[0]}.gate" in names:
         half = ref.shape[0] // 2  # gated MLP: linear_fc1 = [activated half; linear half] -> "fc", "gate"
         ref = ref[:half] if name.endswith(".fc") else ref[half:]
+    return ref
+
+
+def _mcore_part(modules: dict[str, nn.Module], name: str, config: dict[str, Any]) -> torch.Tensor | None:
+    """The rows of a megatron-core fused module that the Hugging Face module ``name`` holds: q/k/v of
+    ``linear_qkv`` (megatron interleaves them per query group), gate/up halves of a gated ``linear_fc1``."""
+    found = next(((m, repl) for pat, repl in _MCORE_FROM_HF if (m := re.fullmatch(pat, name))), None)
+    if found is None:
+        return None
+    mod = modules.get(found[0].expand(found[1]))
+    ref = _fake_quant(mod) if mod is not None else None
+    if ref is None:
+        return None
+    leaf = name.rsplit(".", 1)[1]
+    if leaf in ("q_proj", "k_proj", "v_proj"):
+        heads, kv, hd = head_counts(config)
+        q_rows, kv_rows = heads * hd, kv * hd
+        ref = ref[_qkv_rows(config)]  # [Q; K; V]
+        start, size = {"q_proj": (0, q_rows), "k_proj": (q_rows, kv_rows), "v_proj": (q_rows + kv_rows, kv_rows)}[leaf]
+        return ref[start : start + size]
+    if leaf in ("gate_proj", "up_proj"):
+        half = ref.shape[0] // 2  # gated MLP: linear_fc1 = [activated half (gate); linear half (up)]
+        return ref[:half] if leaf == "gate_proj" else ref[half:]
     return ref
 
 

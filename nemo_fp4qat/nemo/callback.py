@@ -186,7 +186,7 @@ class NeMoFP4QATCallback(FP4QATCallback):
         with _layer_layout_of(student, path) if path else contextlib.nullcontext():
             teacher = build_teacher(pl_module, trainer, student, path)
         self.qad_teacher_path = path
-        self.qad_distiller = MegatronDistiller(student, teacher, self.qad, self.patches)
+        self.qad_distiller = MegatronDistiller(student, teacher, self.qad)
         source = f"restored from {path}" if path else "a copy of the model before calibration, quantizers off"
         rank_zero_info(
             f"nemo_fp4qat: QAD teacher ({source}) holds {self.qad_distiller.teacher_bytes() / 2**20:.1f} MiB "

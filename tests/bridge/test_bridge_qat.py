@@ -6,30 +6,10 @@ torch.distributed and megatron's global state once per process.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
-
-from paths import WORKERS, worker_env
+from bridge_runs import run_bridge_worker as _run
 
 pytestmark = pytest.mark.bridge
-
-
-def _run(tmp_path, name: str, ckpt, **env) -> dict:
-    out = tmp_path / f"{name}.json"
-    proc = subprocess.run(
-        [sys.executable, str(WORKERS / "bridge_trainer_worker.py"), str(out), str(ckpt)],
-        env=worker_env(**{k: str(v) for k, v in env.items()}),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    data = json.loads(out.read_text())
-    data["log"] = proc.stdout + proc.stderr
-    return data
 
 
 def test_bridge_qat_calibrates_switches_resumes_exactly_and_exports(tmp_path):
@@ -66,3 +46,23 @@ def test_bridge_qat_calibrates_switches_resumes_exactly_and_exports(tmp_path):
         assert resumed["formats"][step] == full["formats"][step]
     for key in ("fc1_weight_amax", "fc1_input_amax", "fc1_weight_sum"):
         assert resumed[key] == full[key], key
+
+
+def test_bridge_qad_distils_from_the_loaded_model_and_resumes_from_the_same_teacher(tmp_path):
+    full = _run(tmp_path, "full", tmp_path / "full_ckpt", STEPS=5, SAVE_INTERVAL=100, SWITCH_AT=2, QAD=1)
+    plain = _run(tmp_path, "plain", tmp_path / "plain_ckpt", STEPS=1, SAVE_INTERVAL=100, SWITCH_AT=2)
+    assert "QAD teacher (a copy of the model as loaded, quantizers off)" in full["log"]
+    # the loss Bridge reports is the KL to the full-precision copy, not the cross entropy on random tokens
+    assert full["losses"]["1"] < 0.05 < 1.0 < plain["losses"]["1"], (full["losses"], plain["losses"])
+    assert all(v == v and v >= 0 for v in full["losses"].values())
+
+    ckpt = tmp_path / "ckpt"
+    first = _run(tmp_path, "first", ckpt, STEPS=5, SAVE_INTERVAL=3, EXIT_AT=3, SWITCH_AT=2, QAD=1)
+    assert (ckpt / "nemo_fp4qat_teacher.pt").exists()
+    resumed = _run(tmp_path, "resumed", ckpt, STEPS=5, SAVE_INTERVAL=100, SWITCH_AT=2, QAD=1)
+    assert "QAD teacher (restored from" in resumed["log"]
+    for step in ("1", "2", "3"):
+        assert first["losses"][step] == full["losses"][step]
+    for step in ("4", "5"):  # the same teacher (not a copy of the trained student): the same KL, bit for bit
+        assert resumed["losses"][step] == full["losses"][step], (step, resumed["losses"], full["losses"])
+    assert resumed["fc1_weight_sum"] == full["fc1_weight_sum"]

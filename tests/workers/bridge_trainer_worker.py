@@ -1,9 +1,11 @@
-"""A tiny megatron-core GPT trained with Megatron-Bridge's own ``pretrain`` loop on the CPU, with FP4 QAT.
+"""A megatron-core GPT trained with Megatron-Bridge's own ``pretrain`` loop on the CPU, with FP4 QAT.
 
-Usage: ``python bridge_trainer_worker.py OUT_JSON CKPT_DIR`` with env ``STEPS`` (train_iters, default 6),
-``EXIT_AT`` (stop after that step, saving a checkpoint there), ``SAVE_INTERVAL`` (default 3), ``EXPORT_DIR``
-(export at the end of training), ``SWITCH_AT`` (the step FP8 becomes NVFP4, default 2). A checkpoint in
-CKPT_DIR is resumed. Writes losses per step, the probe layer's formats per step, and the final amax to OUT_JSON.
+Usage: ``python bridge_trainer_worker.py OUT_JSON CKPT_DIR`` with env ``MODEL`` (``tiny``: a 2-layer GPT;
+``smollm2``: SmolLM2-135M imported from its Hugging Face files through ``AutoBridge``), ``STEPS`` (train_iters,
+default 6), ``EXIT_AT`` (stop after that step, saving a checkpoint there), ``SAVE_INTERVAL`` (default 3),
+``EXPORT_DIR`` (export at the end of training), ``SWITCH_AT`` (the step FP8 becomes NVFP4, default 2), ``QAD``
+(``1``: distil from the model as loaded). A checkpoint in CKPT_DIR is resumed. Writes losses per step, the probe
+layer's formats per step, and the final amax to OUT_JSON.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ EXIT_AT = int(os.environ["EXIT_AT"]) if os.environ.get("EXIT_AT") else None
 SAVE_INTERVAL = int(os.environ.get("SAVE_INTERVAL", "3"))
 EXPORT_DIR = os.environ.get("EXPORT_DIR")
 SWITCH_AT = int(os.environ.get("SWITCH_AT", "2"))
-SEQ, VOCAB = 32, 256
+MODEL = os.environ.get("MODEL", "tiny")
+QAD = os.environ.get("QAD") == "1"
+SEQ, VOCAB = (32, 256) if MODEL == "tiny" else (64, 49152)
+LR = 3e-3 if MODEL == "tiny" else 1e-5
 
 if __name__ == "__main__":
     out_json, ckpt = sys.argv[1], sys.argv[2]
@@ -50,21 +55,35 @@ if __name__ == "__main__":
         from megatron.core.transformer.enums import AttnBackend
         from megatron.core.utils import unwrap_model
 
-        model = GPTModelProvider(
-            num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4, seq_length=SEQ,
-            vocab_size=VOCAB, make_vocab_size_divisible_by=128, transformer_layer_spec=local_layer_spec,
-            attention_backend=AttnBackend.local, bf16=False, fp16=False, params_dtype=torch.float32,
-            pipeline_dtype=torch.float32, bias_activation_fusion=False, bias_dropout_fusion=False,
-            masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
-            cross_entropy_loss_fusion=False, attention_dropout=0.0, hidden_dropout=0.0,
-            position_embedding_type="rope", normalization="RMSNorm", activation_func=torch.nn.functional.silu,
-            gated_linear_unit=True, add_bias_linear=False, share_embeddings_and_output_weights=False,
+        cpu_fields = dict(
+            transformer_layer_spec=local_layer_spec, attention_backend=AttnBackend.local, bf16=False, fp16=False,
+            params_dtype=torch.float32, pipeline_dtype=torch.float32, bias_activation_fusion=False,
+            bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
+            cross_entropy_loss_fusion=False, attention_dropout=0.0, hidden_dropout=0.0, seq_length=SEQ,
         )  # fmt: skip
+        if MODEL == "tiny":
+            model = GPTModelProvider(
+                num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4, vocab_size=VOCAB,
+                make_vocab_size_divisible_by=128, position_embedding_type="rope", normalization="RMSNorm",
+                activation_func=torch.nn.functional.silu, gated_linear_unit=True, add_bias_linear=False,
+                share_embeddings_and_output_weights=False, **cpu_fields,
+            )  # fmt: skip
+        else:  # the real model, through Bridge's own Hugging Face conversion (weights loaded in a pre-wrap hook)
+            from megatron.bridge import AutoBridge
+
+            from nemo_fp4qat.demo.model import smollm2_hf_dir
+
+            model = AutoBridge.from_hf_pretrained(str(smollm2_hf_dir()), dtype=torch.float32).to_megatron_provider(
+                load_weights=True
+            )
+            for k, v in cpu_fields.items():
+                setattr(model, k, v)
         cfg = ConfigContainer(
             model=model,
-            train=TrainingConfig(train_iters=STEPS, global_batch_size=4, micro_batch_size=2, exit_interval=EXIT_AT),
+            train=TrainingConfig(train_iters=STEPS, global_batch_size=4 if MODEL == "tiny" else 2,
+                                 micro_batch_size=2 if MODEL == "tiny" else 1, exit_interval=EXIT_AT),
             validation=ValidationConfig(eval_interval=1000, eval_iters=0),
-            optimizer=OptimizerConfig(optimizer="adam", lr=3e-3, min_lr=3e-4, weight_decay=0.01, clip_grad=1.0,
+            optimizer=OptimizerConfig(optimizer="adam", lr=LR, min_lr=LR / 10, weight_decay=0.01, clip_grad=1.0,
                                       bf16=False, fp16=False, params_dtype=torch.float32,
                                       use_distributed_optimizer=False),
             scheduler=SchedulerConfig(lr_decay_style="cosine", lr_warmup_iters=2, lr_decay_iters=STEPS,
@@ -89,7 +108,8 @@ if __name__ == "__main__":
             QATConfig(
                 policy="fp_embeddings",
                 schedule={"stages": [{"start": 0, "format": "fp8"}, {"start": SWITCH_AT, "format": "target"}]},
-                calibration={"num_samples": 4},
+                calibration={"num_samples": 4 if MODEL == "tiny" else 2},
+                distillation="qad" if QAD else None,
                 export_dir=EXPORT_DIR,
             )
         )
