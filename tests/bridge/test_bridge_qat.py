@@ -6,6 +6,9 @@ torch.distributed and megatron's global state once per process.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from bridge_runs import run_bridge_worker as _run
 
@@ -13,8 +16,9 @@ pytestmark = pytest.mark.bridge
 
 
 def test_bridge_qat_calibrates_switches_resumes_exactly_and_exports(tmp_path):
+    # the uninterrupted run is monitored (the resumed runs are not: the monitor must not change training)
     full = _run(tmp_path, "full", tmp_path / "full_ckpt", STEPS=5, SAVE_INTERVAL=100, SWITCH_AT=2,
-                EXPORT_DIR=tmp_path / "export")  # fmt: skip
+                EXPORT_DIR=tmp_path / "export", MONITOR=0.05)  # fmt: skip
     # calibrated before the first step, FP8 for steps 1-2, NVFP4 (dynamic E2M1 blocks) from step 3
     assert full["formats"]["1"] == ["(4, 3)", False] and full["formats"]["2"] == ["(4, 3)", False]
     assert full["formats"]["3"] == ["(2, 1)", True] and full["formats"]["5"] == ["(2, 1)", True]
@@ -22,6 +26,14 @@ def test_bridge_qat_calibrates_switches_resumes_exactly_and_exports(tmp_path):
     assert "calibrated on" in full["log"]
     assert full["fc1_input_amax"] > 0 and full["fc1_weight_amax"] > 0
     assert len(full["losses"]) == 5 and all(v == v for v in full["losses"].values())
+    # measured every 2 steps, at the switch (after step 2, seen at step 3) and at the end; FP8's weight error is
+    # under the 0.05 threshold, NVFP4's (~0.1) above it: findings from the switch on only
+    mon = full["monitor"]
+    assert mon["measured"] == [[2, "bf16+fp8"], [3, "bf16+nvfp4"], [4, "bf16+nvfp4"], [5, "bf16+nvfp4"]], mon
+    assert mon["findings"] and {p for _, p in mon["findings"]} == {"high_weight_error"}, mon
+    assert min(s for s, _ in mon["findings"]) == 3, mon
+    report = json.loads(Path(mon["report"]).read_text())
+    assert len(report["measurements"]) == 4 and len(report["findings"]) == len(mon["findings"])
     # the end-of-training export is a TensorRT-LLM checkpoint the validator accepts code for code
     export = full["export"]
     assert export["ok"], export["errors"]

@@ -4,8 +4,9 @@ Usage: ``python bridge_trainer_worker.py OUT_JSON CKPT_DIR`` with env ``MODEL`` 
 ``smollm2``: SmolLM2-135M imported from its Hugging Face files through ``AutoBridge``), ``STEPS`` (train_iters,
 default 6), ``EXIT_AT`` (stop after that step, saving a checkpoint there), ``SAVE_INTERVAL`` (default 3),
 ``EXPORT_DIR`` (export at the end of training), ``SWITCH_AT`` (the step FP8 becomes NVFP4, default 2), ``QAD``
-(``1``: distil from the model as loaded). A checkpoint in CKPT_DIR is resumed. Writes losses per step, the probe
-layer's formats per step, and the final amax to OUT_JSON.
+(``1``: distil from the model as loaded), ``MONITOR`` (a ``BridgeQuantizationMonitor`` every 2 steps whose weight
+error threshold is this value; its report goes to CKPT_DIR/quant_report). A checkpoint in CKPT_DIR is resumed.
+Writes losses per step, the probe layer's formats per step, and the final amax to OUT_JSON.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ EXPORT_DIR = os.environ.get("EXPORT_DIR")
 SWITCH_AT = int(os.environ.get("SWITCH_AT", "2"))
 MODEL = os.environ.get("MODEL", "tiny")
 QAD = os.environ.get("QAD") == "1"
+MONITOR = float(os.environ["MONITOR"]) if os.environ.get("MONITOR") else None
 SEQ, VOCAB = (32, 256) if MODEL == "tiny" else (64, 49152)
 LR = 3e-3 if MODEL == "tiny" else 1e-5
 
@@ -30,7 +32,7 @@ if __name__ == "__main__":
         os.environ.setdefault(k, v)
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     from nemo_fp4qat import QATConfig
-    from nemo_fp4qat.bridge import FP4QATBridgeCallback, bridge_cpu_mode
+    from nemo_fp4qat.bridge import BridgeQuantizationMonitor, FP4QATBridgeCallback, bridge_cpu_mode
 
     with bridge_cpu_mode():
         import torch
@@ -138,7 +140,15 @@ if __name__ == "__main__":
                 record["fc1_weight_sum"] = float(layer.weight.detach().double().sum())
                 record["history"] = qat.controller.history
 
-        pretrain(cfg, qat.forward_step(forward_step), callbacks=[qat, Probe()])
+        callbacks = [qat, Probe()]
+        if MONITOR is not None:
+            monitor = BridgeQuantizationMonitor(qat, every_n_steps=2, thresholds={"max_weight_rel_err": MONITOR})
+            callbacks.append(monitor)
+        pretrain(cfg, qat.forward_step(forward_step), callbacks=callbacks)
+        if MONITOR is not None:
+            record["monitor"] = {"report": str(monitor.report),
+                                 "findings": [(f.step, f.problem) for f in monitor.findings],
+                                 "measured": [(r["step"], r["stage"]) for r in monitor.records]}  # fmt: skip
         if EXPORT_DIR and qat.exported is not None:
             from nemo_fp4qat.export.validate import validate_export
 

@@ -1,0 +1,125 @@
+"""``BridgeQuantizationMonitor``: quantization quality during a Megatron-Bridge QAT run.
+
+The same measurements, thresholds and report as the Lightning ``QuantizationMonitor``
+(:mod:`nemo_fp4qat.monitor`): every ``every_n_steps`` steps and at every precision switch, per quantized layer,
+the weight quantization error and statistics; findings against named thresholds (a non-finite loss too);
+scalars under ``quant/<layer>/<metric>`` in Bridge's TensorBoard writer when the run has one; a table at each
+switch; ``quant_report.json`` and plots at the end. On a finding it warns, or rolls the layer's group back one
+stage (``action="rollback"``, through the :class:`FP4QATBridgeCallback`'s controller).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from ..monitor.analysis import analyze_model
+from ..monitor.findings import SUGGESTIONS, Finding, MonitorThresholds, check_layer
+from ..monitor.report import summary_table, write_report
+from ..specs import ConfigError, from_fields
+from .callback import FP4QATBridgeCallback, _BridgeCallback, _rank, _unwrap
+
+__all__ = ["BridgeQuantizationMonitor"]
+
+log = logging.getLogger("nemo_fp4qat")
+_ACTIONS = ("warn", "rollback")
+_LOGGED = ("weight_rel_err", "weight_sqnr_db", "weight_flushed_frac", "weight_saturated_frac", "weight_amax")
+
+
+class BridgeQuantizationMonitor(_BridgeCallback):
+    """Quantization-quality monitoring for a Megatron-Bridge run (beside :class:`FP4QATBridgeCallback`).
+
+    Args:
+        qat: the run's :class:`FP4QATBridgeCallback` (stage labels, switches, rollbacks).
+        every_n_steps: measure every N optimizer steps (and at every precision switch).
+        thresholds: :class:`~nemo_fp4qat.monitor.findings.MonitorThresholds` or a dict of its fields.
+        action: ``"warn"`` or ``"rollback"`` (the layer's group goes back one stage for the rest of the run).
+        out_dir: where ``quant_report.json`` and the plots go (default: ``<checkpoint.save>/quant_report``).
+
+    Raises:
+        ConfigError: an unknown action, a bad cadence or an unknown threshold field.
+
+    Example:
+        >>> monitor = BridgeQuantizationMonitor(qat, every_n_steps=50, action="rollback")
+        >>> pretrain(cfg, qat.forward_step(forward_step), callbacks=[qat, monitor])  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        qat: FP4QATBridgeCallback,
+        every_n_steps: int = 50,
+        thresholds: MonitorThresholds | dict[str, Any] | None = None,
+        action: str = "warn",
+        out_dir: str | Path | None = None,
+    ) -> None:
+        if action not in _ACTIONS:
+            raise ConfigError(
+                f"BridgeQuantizationMonitor action must be one of {_ACTIONS}, got {action!r} (Bridge's loop has no "
+                "callback-side stop; a finding can warn or roll its layer group back)."
+            )
+        if not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ConfigError(f"every_n_steps must be a positive int, got {every_n_steps!r}")
+        self.qat = qat
+        self.every_n_steps = every_n_steps
+        self.thresholds = (
+            thresholds
+            if isinstance(thresholds, MonitorThresholds)
+            else from_fields(MonitorThresholds, thresholds or {}, "monitor thresholds")
+        )
+        self.action = action
+        self.out_dir = Path(out_dir) if out_dir else None
+        self.findings: list[Finding] = []
+        self.records: list[dict[str, Any]] = []
+        self.report: Path | None = None
+
+    def _stage_label(self) -> str:
+        return "+".join(sorted({w for w, _ in self.qat.controller.current.values()})) or "static"
+
+    def on_train_step_end(self, context: Any) -> None:
+        done = int(context.state.train_state.step) + 1  # Bridge advances its counter after this event
+        history = self.qat.controller.history
+        switched = bool(history) and history[-1]["step"] == done - 1
+        loss = (context.loss_dict or {}).get("lm loss")
+        if loss is not None and not math.isfinite(float(loss)):
+            self._find(done, "<model>", "nonfinite", "loss", float(loss), 0.0)
+        if switched or done % self.every_n_steps == 0:
+            self._measure(context, done, show=switched)
+
+    def on_train_end(self, context: Any) -> None:
+        step = int(context.state.train_state.step)
+        self._measure(context, step, show=True, final=True)
+        if _rank() == 0:
+            out = self.out_dir or Path(context.state.cfg.checkpoint.save or ".") / "quant_report"
+            self.report = write_report(out, self.thresholds, self.action, self.findings, self.records)
+
+    def _measure(self, context: Any, step: int, show: bool, final: bool = False) -> None:
+        t0 = time.perf_counter()
+        layers = analyze_model(_unwrap(context.model))
+        for name, rec in layers.items():
+            for problem, metric, value, threshold in check_layer(rec, self.thresholds):
+                self._find(step, name, problem, metric, value, threshold)
+        self.records.append({"step": step, "stage": self._stage_label(), "final": final,
+                             "seconds": time.perf_counter() - t0, "layers": layers})  # fmt: skip
+        writer = getattr(context.state, "tensorboard_logger", None) if _rank() == 0 else None
+        if writer is not None:
+            for name, rec in layers.items():
+                for k in _LOGGED:
+                    v = rec.get(k)
+                    if isinstance(v, (int, float)) and math.isfinite(float(v)):
+                        writer.add_scalar(f"quant/{name}/{k}", float(v), step)
+        if show and _rank() == 0:
+            log.info("%s", summary_table(layers, f"quantization quality at step {step} ({self._stage_label()})"))
+
+    def _find(self, step: int, layer: str, problem: str, metric: str, value: float, threshold: float) -> None:
+        f = Finding(step, layer, problem, metric, float(value), float(threshold), SUGGESTIONS[problem], self.action)
+        if any((g.layer, g.problem, g.step) == (f.layer, f.problem, f.step) for g in self.findings):
+            return
+        self.findings.append(f)
+        if _rank() == 0:
+            log.warning("nemo_fp4qat monitor: %s", f)
+        targets = self.qat.controller._targets() if self.qat.controller.table is not None else {}
+        if self.action == "rollback" and layer in targets:
+            self.qat.controller.roll_back_group(targets[layer][2])
