@@ -61,6 +61,8 @@ BENCHMARKS = [
               ("--render",)),
     Benchmark("recipe_seeds", "bench_recipe_seeds.py", "accuracy", ("recipe_seeds",),
               "the demo's recipe against no lever over seeds", ("--render",)),
+    Benchmark("auto_policy", "bench_auto_policy.py", "accuracy", ("auto_policy",),
+              "modelopt AutoQuantize's policy vs the presets at equal bits, PTQ and QAD"),
     Benchmark("mc", "bench_mc.py", "accuracy", ("mc",), "multiple choice with a paired test", ("--render",)),
     Benchmark("mutation", "run_mutation.py", "mutation", ("mutation",), "mutation testing of the numerics"),
     Benchmark("reliability", "bench_reliability.py", "reliability", ("reliability",),

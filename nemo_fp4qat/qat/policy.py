@@ -292,6 +292,17 @@ class LayerPolicy:
             "nor a YAML file."
         )
 
+    def to_yaml(self, path: str | Path, header: str = "") -> Path:
+        """Write the policy as a YAML file :meth:`from_yaml` reads back (``header``: comment lines on top)."""
+        import yaml
+
+        body = {"_target_": "nemo_fp4qat.LayerPolicy", **self.to_dict()}
+        comment = "".join(f"# {line}\n" for line in header.splitlines())
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(comment + yaml.safe_dump(body, sort_keys=False, width=120))
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "default": self.default, "kv_cache": self.kv_cache, "runtime": self.runtime,
                 "rules": [asdict(r) for r in self.rules]}  # fmt: skip

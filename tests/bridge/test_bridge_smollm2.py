@@ -32,3 +32,19 @@ def test_smollm2_qad_through_bridge_exports_a_unified_hf_checkpoint_that_matches
     assert numeric["unquantized_compared"] == 62 and not numeric.get("unquantized_different"), numeric
     config = json.loads((tmp_path / "export" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 30
+
+
+@pytest.mark.slow_bridge
+def test_smollm2_qad_through_bridge_resumes_exactly(tmp_path):
+    common = dict(MODEL="smollm2", QAD=1, STEPS=4, SWITCH_AT=2)
+    full = _run(tmp_path, "full", tmp_path / "full_ckpt", SAVE_INTERVAL=100, **common)
+    ckpt = tmp_path / "ckpt"
+    first = _run(tmp_path, "first", ckpt, SAVE_INTERVAL=2, EXIT_AT=2, **common)
+    resumed = _run(tmp_path, "resumed", ckpt, SAVE_INTERVAL=100, **common)
+    assert sorted(first["losses"]) == ["1", "2"] and sorted(resumed["losses"]) == ["3", "4"]
+    assert "QAD teacher (restored from" in resumed["log"]
+    for step in ("3", "4"):  # NVFP4 from step 3: the switch, the teacher and the data order all resumed
+        assert resumed["losses"][step] == full["losses"][step], (step, resumed["losses"], full["losses"])
+        assert resumed["formats"][step] == full["formats"][step] == ["(2, 1)", True]
+    for key in ("fc1_weight_amax", "fc1_input_amax", "fc1_weight_sum"):
+        assert resumed[key] == full[key], key

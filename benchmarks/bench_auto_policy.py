@@ -1,0 +1,133 @@
+"""A policy modelopt's AutoQuantize chose (``nemo_fp4qat.qat.auto_policy``) against the hand presets, at the same
+bits per linear weight, PTQ and QAD (#36).
+
+The demo's setting (SmolLM2-135M, BF16 fine-tune on Emma, the levers bench's recipe): each row quantizes a copy of
+the fine-tune by a policy, PTQ (calibrated, no training) and QAD (KL to the fine-tune, direct schedule, exported
+and measured as served, ``bench_levers.qad_row``). The auto policies are searched on the calibration batches with
+modelopt's gradient sensitivity, under the budget the matching preset spends by modelopt's own count (NVFP4 4.5
+bits, FP8 8, NVFP4 weights with FP8 activations 4). Each chosen policy is written to
+``benchmarks/results/auto_policy_<name>.yaml``. Storage bits per decoder-linear weight (scales included) are
+reported for every row, as on the Pareto plot.
+
+Run: ``.venv-core/bin/python benchmarks/bench_auto_policy.py [--quick] [--seed 0]`` (about 20 minutes per seed on
+2 cores). Writes ``benchmarks/results/auto_policy.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from accuracy_data import load_accuracy_data
+from bench_levers import qad_row
+from bench_pareto import linear_bits
+from common import RESULTS_DIR, machine, write_result
+
+from nemo_fp4qat import LayerPolicy
+from nemo_fp4qat.demo.pipeline import DemoConfig
+from nemo_fp4qat.demo.training import train_lm
+from nemo_fp4qat.eval.gate import recovery
+from nemo_fp4qat.qat.auto_policy import auto_policy
+
+# modelopt's effective bits of each (weight, input) format pair (QuantRecipe.compression x 16)
+MODELOPT_BITS = {("nvfp4", "nvfp4"): 4.5, ("fp8", "fp8"): 8.0, ("nvfp4", "fp8"): 4.0, ("bf16", "bf16"): 16.0}
+# row -> (preset, None) or (None, (formats, the preset whose modelopt bits are the budget))
+ROWS: dict[str, tuple[str | None, tuple[tuple[str, ...], str] | None]] = {
+    "preset default (FP8 attention, NVFP4 MLP)": ("default", None),
+    "auto NVFP4/FP8 at default's bits": (None, (("nvfp4", "fp8"), "default")),
+    "preset nvfp4_w4a8 (FP8 attention, NVFP4 W / FP8 A MLP)": ("nvfp4_w4a8", None),
+    "auto NVFP4/FP8/W4A8 at nvfp4_w4a8's bits": (None, (("nvfp4", "fp8", "nvfp4_w4a8"), "nvfp4_w4a8")),
+}
+
+
+def modelopt_bits(model, policy) -> float:
+    """Effective bits over the decoder linears as modelopt's AutoQuantize counts them."""
+    mods = dict(model.named_modules())
+    rows = [r for r in LayerPolicy.resolve_spec(policy).resolve(model).rows
+            if r.quantizable and "lm_head" not in r.module]  # fmt: skip
+    n = {r.module: mods[r.module].weight.numel() for r in rows}
+    return sum(MODELOPT_BITS[(r.weight, r.input)] * n[r.module] for r in rows) / sum(n.values())
+
+
+def main() -> None:
+    import lightning.pytorch as pl
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="a smoke run of the whole script")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    cfg = replace(DemoConfig.quick() if args.quick else DemoConfig(), seed=args.seed)
+    out = Path("runs/bench_auto_policy")
+    pl.seed_everything(cfg.seed)
+    data = load_accuracy_data(cfg)
+    ft = copy.deepcopy(data.base)
+    train_lm(ft, data.train, cfg, out, [], "finetune")
+    ft_ppl = data.ppl(ft)
+    print(f"fine-tune {ft_ppl:.3f}", flush=True)
+    rows: dict[str, dict] = {}
+    for name, (preset, auto) in ROWS.items():
+        t0 = time.time()
+        if auto is None:
+            policy: LayerPolicy | str = preset
+        else:
+            formats, like = auto
+            budget = modelopt_bits(ft, like)
+            policy = auto_policy(ft, data.calib, budget, formats=formats, forward_fn=lambda m, b: m(b, labels=b),
+                                 name=f"auto_{'_'.join(formats)}")  # fmt: skip
+            path = RESULTS_DIR / f"auto_policy_{policy.name}.yaml"
+            policy.to_yaml(path, header=f"written by benchmarks/bench_auto_policy.py: modelopt auto_quantize on "
+                           f"SmolLM2-135M (the demo's fine-tune), formats {', '.join(formats)}, budget {budget:.3f} "
+                           f"effective bits ({like}'s)")  # fmt: skip
+        search_s = time.time() - t0
+        m = data.ptq(ft, policy)
+        row = {"policy": policy if isinstance(policy, str) else policy.to_dict(), "search_s": search_s,
+               "modelopt_bits": modelopt_bits(ft, policy), "storage_bits": linear_bits(ft, policy),
+               "ptq": data.ppl(m)}  # fmt: skip
+        del m
+        row.update(qad_row(ft, data, out, policy, None, False))
+        row["ptq_gap"], row["qad_gap"] = row["ptq"] / ft_ppl - 1, row["qad"] / ft_ppl - 1
+        rows[name] = row
+        print(f"{name}: {row['storage_bits']:.3f} bits, PTQ {row['ptq']:.3f}, QAD {row['qad']:.3f}", flush=True)
+    base_ptq = rows[next(iter(ROWS))]["ptq"]
+    for r in rows.values():
+        r["recovery_vs_default_ptq"] = recovery(base_ptq, r["qad"], ft_ppl)
+    data_out = {"machine": machine(), "config": vars(cfg), "bf16_finetuned": ft_ppl, "rows": rows}
+    write_result("auto_policy", render(data_out), data_out)
+
+
+def _layers(policy) -> str:
+    if isinstance(policy, str):
+        return "preset"
+    counts = {r["group"]: len(r["patterns"]) for r in policy["rules"] if r["group"].startswith("auto_")}
+    return ", ".join(f"{g[5:]} {n}" for g, n in counts.items())
+
+
+def render(d: dict) -> str:
+    cfg, ft = d["config"], d["bf16_finetuned"]
+    lines = [
+        "## AutoQuantize policy vs the hand presets at equal bits (`benchmarks/bench_auto_policy.py`)",
+        "",
+        f"Machine: {d['machine']}. SmolLM2-135M, BF16 fine-tune on Emma ({cfg['steps']} steps, seed {cfg['seed']}): "
+        f"perplexity on Persuasion **{ft:.3f}**. Each row quantizes a copy of it: PTQ ({cfg['calib_samples']} "
+        f"calibration samples) and QAD ({cfg['steps']} steps, KL to the fine-tune, lr {cfg['qad_lr']}; exported, "
+        "validated and measured as served). Auto rows: `auto_policy` (modelopt `auto_quantize`, gradient scores on "
+        "the calibration batches) under the preset's budget in modelopt's effective bits. One seed.",
+        "",
+        "| policy | linear layers chosen | bits/weight (storage) | modelopt bits | PTQ ppl | PTQ gap | QAD ppl | "
+        "QAD gap | recovery vs default PTQ | search (s) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in d["rows"].items():
+        lines.append(
+            f"| {name} | {_layers(r['policy'])} | {r['storage_bits']:.3f} | {r['modelopt_bits']:.3f} | "
+            f"{r['ptq']:.3f} | {100 * r['ptq_gap']:.1f}% | {r['qad']:.3f} | {100 * r['qad_gap']:.1f}% | "
+            f"{r['recovery_vs_default_ptq']:.3f} | {r['search_s']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
