@@ -101,7 +101,7 @@ def main() -> None:
 def _layers(policy) -> str:
     if isinstance(policy, str):
         return "preset"
-    counts = {r["group"]: len(r["patterns"]) for r in policy["rules"] if r["group"].startswith("auto_")}
+    counts = {r["group"]: len(r["patterns"]) // 2 for r in policy["rules"] if r["group"].startswith("auto_")}
     return ", ".join(f"{g[5:]} {n}" for g, n in counts.items())
 
 

@@ -57,6 +57,11 @@ def _chosen(module: nn.Module) -> str | None:
     raise RuntimeError(f"auto_quantize left weight num_bits={wq.num_bits} on a layer, which no asked format has")
 
 
+def _names(modules: list[str]) -> list[str]:
+    """Globs for exactly these modules, also when the model is wrapped (a LightningModule's ``net.``...)."""
+    return [p for m in modules for p in (m, f"*.{m}")]
+
+
 def auto_policy(
     model: nn.Module,
     batches: Iterable[Any],
@@ -149,9 +154,9 @@ def auto_policy(
     for fmt in formats:
         if chosen.get(fmt):
             _, weight, inp = AUTO_FORMATS[fmt]
-            rules.append(PolicyRule(patterns=chosen[fmt], weight=weight, input=inp, group=f"auto_{fmt}"))
+            rules.append(PolicyRule(patterns=_names(chosen[fmt]), weight=weight, input=inp, group=f"auto_{fmt}"))
     if chosen.get("bf16"):
-        rules.append(PolicyRule(patterns=chosen["bf16"], weight=None, group="auto_bf16"))
+        rules.append(PolicyRule(patterns=_names(chosen["bf16"]), weight=None, group="auto_bf16"))
     log.info("nemo_fp4qat: auto_policy at %.2f effective bits: %s", effective_bits,
              ", ".join(f"{k} {len(v)}" for k, v in sorted(chosen.items())))  # fmt: skip
     return LayerPolicy(rules=rules, default=None, name=name, runtime="trtllm")

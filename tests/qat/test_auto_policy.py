@@ -56,6 +56,10 @@ def test_auto_policy_spends_the_budget_keeps_siblings_together_and_round_trips(t
             p = f"model.layers.{i}"
             assert len({layers[f"{p}.self_attn.{x}_proj"] for x in "qkv"}) == 1
             assert layers[f"{p}.mlp.gate_proj"] == layers[f"{p}.mlp.up_proj"]
+        # the same formats when the model is wrapped (a LightningModule holding it as `net`)
+        wrapper = torch.nn.Module()
+        wrapper.net = model
+        assert {k.removeprefix("net."): v for k, v in _by_layer(policy, wrapper).items()} == layers
         # written out and read back: the same policy, module by module
         path = policy.to_yaml(tmp_path / f"{policy.name}_{id(policy)}.yaml", header="auto_policy test")
         assert path.read_text().startswith("# auto_policy test\n")
