@@ -44,10 +44,10 @@ ROWS: dict[str, tuple[str | None, tuple[tuple[str, ...], str] | None]] = {
 
 
 def modelopt_bits(model, policy) -> float:
-    """Effective bits over the decoder linears as modelopt's AutoQuantize counts them."""
+    """Effective bits over every linear layer as modelopt's AutoQuantize counts them (``lm_head``, kept in 16 bits
+    by every policy here, included)."""
     mods = dict(model.named_modules())
-    rows = [r for r in LayerPolicy.resolve_spec(policy).resolve(model).rows
-            if r.quantizable and "lm_head" not in r.module]  # fmt: skip
+    rows = [r for r in LayerPolicy.resolve_spec(policy).resolve(model).rows if r.quantizable]
     n = {r.module: mods[r.module].weight.numel() for r in rows}
     return sum(MODELOPT_BITS[(r.weight, r.input)] * n[r.module] for r in rows) / sum(n.values())
 

@@ -27,9 +27,9 @@ def _formats():
 
 
 def _bits(policy: LayerPolicy, model) -> float:
-    """Effective bits over the searched linear weights (not embeddings, lm_head, norms), as modelopt counts them."""
+    """Effective bits over every linear weight (lm_head in 16 bits included), as modelopt counts them."""
     mods = dict(model.named_modules())
-    rows = [r for r in policy.resolve(model).rows if r.quantizable and "lm_head" not in r.module]
+    rows = [r for r in policy.resolve(model).rows if r.quantizable]
     n = {r.module: mods[r.module].weight.numel() for r in rows}
     return sum(COST[(r.weight, r.input)] * n[r.module] for r in rows) / sum(n.values())
 
