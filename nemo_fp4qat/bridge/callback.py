@@ -149,6 +149,7 @@ class FP4QATBridgeCallback(_BridgeCallback):
         self._teacher_saved = False
         self.calibration_data = calibration_data
         self.resuming = False
+        self._load_dir: str | None = None
         self.exported: Path | None = None
         self._installed = False
 
