@@ -11,7 +11,7 @@ BRIDGE_PYTHON ?= $(shell p=$$(pyenv root 2>/dev/null)/versions/3.12.1/bin/python
 BENCH_SITE := .bench-site
 PIP_QUIET := -q --disable-pip-version-check
 
-.PHONY: demo test test-core test-nemo test-bridge test-bridge-all lint env bench bench-accuracy mutate reliability gpu-wheels gpu-check clean
+.PHONY: demo test test-core test-nemo test-nemo-all test-bridge test-bridge-all lint env bench bench-accuracy mutate reliability gpu-wheels gpu-check clean
 
 env: $(CORE)/.stamp $(NEMO)/.stamp $(BRIDGE)/.stamp
 
@@ -57,6 +57,10 @@ test-core: $(CORE)/.stamp
 # tests (marker `nemo`, which must run there). Tests marked `core_only` run in core only (each says why beside the
 # marker: the demo, serving and evaluation read through the plugin's own code; plain-torch rank tests; triton).
 test-nemo: $(NEMO)/.stamp
+	NEMO_FP4QAT_REQUIRE_NEMO=1 $(NEMO)/bin/python -m pytest -q -m "not core_only and not bridge and not slow_nemo" tests
+
+# Every NeMo test: make test's subset plus the pipeline-parallel refusals, TP x PP and the kill/resume test.
+test-nemo-all: $(NEMO)/.stamp
 	NEMO_FP4QAT_REQUIRE_NEMO=1 $(NEMO)/bin/python -m pytest -q -m "not core_only and not bridge" tests
 
 # Megatron-Bridge (marker `bridge`): the representative subset here; `make test-bridge-all` runs every Bridge test.

@@ -60,6 +60,7 @@ def test_bridge_qat_calibrates_switches_resumes_exactly_and_exports(tmp_path):
         assert resumed[key] == full[key], key
 
 
+@pytest.mark.slow_bridge
 def test_bridge_qad_distils_from_the_loaded_model_and_resumes_from_the_same_teacher(tmp_path):
     full = _run(tmp_path, "full", tmp_path / "full_ckpt", STEPS=5, SAVE_INTERVAL=100, SWITCH_AT=2, QAD=1)
     plain = _run(tmp_path, "plain", tmp_path / "plain_ckpt", STEPS=1, SAVE_INTERVAL=100, SWITCH_AT=2)

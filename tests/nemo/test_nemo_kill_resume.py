@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from kill_resume import NEMO, reference, scenario
 
-pytestmark = pytest.mark.nemo
+pytestmark = [pytest.mark.nemo, pytest.mark.slow_nemo]  # the full kill/resume sweep is make reliability
 
 SUBSET = ["export_rename:1"]  # after training: the final checkpoint must be resumable
 

@@ -110,6 +110,7 @@ def test_pipeline_stage_state_refuses_another_pipeline_size():
     assert this_stage({"controller": {"current": {}}}) == {"controller": {"current": {}}}
 
 
+@pytest.mark.slow_nemo
 @pytest.mark.parametrize(
     ("mode", "env", "message"),
     [
@@ -132,6 +133,7 @@ def test_pipeline_parallel_refuses_the_monitor_and_qad_by_name(tmp_path, base, m
     assert "Training epoch 0, iteration 0" not in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow_nemo
 def test_tensor_and_pipeline_parallel_together(tmp_path, base):
     """TP 2 x PP 2 (four gloo processes): every rank switches at the same step; the two ranks of a stage hold the
     same per-tensor amax (synced over the tensor-parallel group, not across stages); the loss is the last stage's,
