@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from ..monitor.analysis import analyze_model
-from ..monitor.findings import SUGGESTIONS, Finding, MonitorThresholds, check_layer
+from ..monitor.findings import Finding, MonitorThresholds, add_finding, check_layer
 from ..monitor.report import summary_table, write_report
-from ..specs import ConfigError, from_fields
+from ..specs import ConfigError
 from .callback import FP4QATBridgeCallback, _BridgeCallback, _rank, _unwrap
 
 __all__ = ["BridgeQuantizationMonitor"]
@@ -64,11 +64,7 @@ class BridgeQuantizationMonitor(_BridgeCallback):
             raise ConfigError(f"every_n_steps must be a positive int, got {every_n_steps!r}")
         self.qat = qat
         self.every_n_steps = every_n_steps
-        self.thresholds = (
-            thresholds
-            if isinstance(thresholds, MonitorThresholds)
-            else from_fields(MonitorThresholds, thresholds or {}, "monitor thresholds")
-        )
+        self.thresholds = MonitorThresholds.resolve_spec(thresholds)
         self.action = action
         self.out_dir = Path(out_dir) if out_dir else None
         self.findings: list[Finding] = []
@@ -114,12 +110,10 @@ class BridgeQuantizationMonitor(_BridgeCallback):
             log.info("%s", summary_table(layers, f"quantization quality at step {step} ({self._stage_label()})"))
 
     def _find(self, step: int, layer: str, problem: str, metric: str, value: float, threshold: float) -> None:
-        f = Finding(step, layer, problem, metric, float(value), float(threshold), SUGGESTIONS[problem], self.action)
-        if any((g.layer, g.problem, g.step) == (f.layer, f.problem, f.step) for g in self.findings):
+        f = add_finding(self.findings, step, layer, problem, metric, value, threshold, self.action)
+        if f is None:
             return
-        self.findings.append(f)
         if _rank() == 0:
             log.warning("nemo_fp4qat monitor: %s", f)
-        targets = self.qat.controller._targets() if self.qat.controller.table is not None else {}
-        if self.action == "rollback" and layer in targets:
-            self.qat.controller.roll_back_group(targets[layer][2])
+        if self.action == "rollback":
+            self.qat.controller.roll_back_layer(layer)

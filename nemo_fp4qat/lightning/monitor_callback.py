@@ -26,10 +26,9 @@ import torch.nn as nn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from ..monitor.analysis import amax_of, analyze_model, quantized_layers
-from ..monitor.findings import ACTIONS, SUGGESTIONS, Finding, MonitorThresholds, check_layer
+from ..monitor.findings import ACTIONS, Finding, MonitorThresholds, add_finding, check_layer
 from ..monitor.report import summary_table, write_report
 from ..numerics.metrics import quantization_error
-from ..specs import from_fields
 
 __all__ = ["QuantizationMonitor"]
 
@@ -89,11 +88,7 @@ class QuantizationMonitor(pl.Callback):
         if not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValueError(f"every_n_steps must be a positive int, got {every_n_steps!r}")
         self.every_n_steps = every_n_steps
-        self.thresholds = (
-            thresholds
-            if isinstance(thresholds, MonitorThresholds)
-            else from_fields(MonitorThresholds, thresholds or {}, "monitor thresholds")
-        )
+        self.thresholds = MonitorThresholds.resolve_spec(thresholds)
         self.action = action
         self.out_dir = out_dir
         self.module_getter = module_getter
@@ -287,10 +282,9 @@ class QuantizationMonitor(pl.Callback):
             self._find(trainer, step, name, problem, metric, value, threshold)
 
     def _find(self, trainer, step, layer, problem, metric, value, threshold) -> None:
-        f = Finding(step, layer, problem, metric, float(value), float(threshold), SUGGESTIONS[problem], self.action)
-        if any((g.layer, g.problem, g.step) == (f.layer, f.problem, f.step) for g in self.findings):
+        f = add_finding(self.findings, step, layer, problem, metric, value, threshold, self.action)
+        if f is None:
             return
-        self.findings.append(f)
         rank_zero_warn(f"nemo_fp4qat monitor: {f}")
         if self.action == "stop":
             trainer.should_stop = True
@@ -302,12 +296,7 @@ class QuantizationMonitor(pl.Callback):
         if qat is None:
             rank_zero_warn("nemo_fp4qat monitor: rollback needs FP4QATCallback; only warning.")
             return
-        ctl = qat.controller
-        targets = ctl._targets() if ctl.table else {}
-        group = targets[layer][2] if layer in targets else None
-        if group is None:
-            return
-        ctl.roll_back_group(group)
+        qat.controller.roll_back_layer(layer)
 
     # --- output ---------------------------------------------------------------------------------
     summary_table = staticmethod(summary_table)

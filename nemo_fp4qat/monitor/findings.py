@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ACTIONS", "SUGGESTIONS", "Finding", "MonitorThresholds", "check_layer"]
+from ..specs import from_fields
+
+__all__ = ["ACTIONS", "SUGGESTIONS", "Finding", "MonitorThresholds", "add_finding", "check_layer"]
 
 ACTIONS = ("warn", "stop", "rollback")
 
@@ -36,6 +38,11 @@ class MonitorThresholds:
     max_flushed_frac: float = 0.5
     loss_spike_factor: float = 1.5
     spike_window: int = 5
+
+    @classmethod
+    def resolve_spec(cls, spec: MonitorThresholds | dict[str, Any] | None) -> MonitorThresholds:
+        """A thresholds object, a dict of its fields or None (the defaults) -> MonitorThresholds."""
+        return spec if isinstance(spec, MonitorThresholds) else from_fields(cls, spec or {}, "monitor thresholds")
 
 
 SUGGESTIONS = {
@@ -66,6 +73,16 @@ class Finding:
             f"step {self.step}: {self.problem} in {self.layer}: {self.metric}={self.value:.4g} "
             f"(threshold {self.threshold:.4g}) -> {self.suggestion} [{self.action}]"
         )
+
+
+def add_finding(findings: list[Finding], step: int, layer: str, problem: str, metric: str, value: float,
+                threshold: float, action: str) -> Finding | None:  # fmt: skip
+    """Append the finding to ``findings`` and return it; None when the same layer, problem and step is there."""
+    if any((g.layer, g.problem, g.step) == (layer, problem, step) for g in findings):
+        return None
+    f = Finding(step, layer, problem, metric, float(value), float(threshold), SUGGESTIONS[problem], action)
+    findings.append(f)
+    return f
 
 
 def check_layer(rec: dict[str, Any], th: MonitorThresholds) -> list[tuple[str, str, float, float]]:

@@ -116,9 +116,7 @@ def auto_policy(
     if not batches:
         raise ConfigError("auto_policy needs at least one batch to calibrate and score the formats on.")
     keep = LayerPolicy.preset("default").rules[0]  # embeddings, output layer, norms, routers: full precision
-    work = copy.deepcopy(model)
-    was_training = work.training
-    work.train()
+    work = copy.deepcopy(model).train()  # a copy: the caller's model keeps its mode and weights
     try:
         search = mtq.auto_quantize(
             work,
@@ -136,8 +134,6 @@ def auto_policy(
         if "infeasible" not in str(e):
             raise
         raise ConfigError(f"effective_bits={effective_bits} is below what these formats reach: {e}") from e
-    finally:
-        work.train(was_training)
     best = search[1].get("best", {}) if isinstance(search, tuple) and isinstance(search[1], dict) else {}
     if not best.get("is_satisfied", True):  # modelopt 0.37 searches anyway and only warns
         raise ConfigError(
