@@ -77,8 +77,9 @@ def auto_policy(
         model: the full-precision model (left unchanged: the search runs on a copy).
         batches: a few batches of the training data (each used to calibrate and to score every candidate).
         effective_bits: the budget, in modelopt's effective bits per linear weight (NVFP4 4.5 with its scales,
-            FP8 8.0, NVFP4 weights with FP8 activations 4.0 by modelopt's count, 16 for a layer left in full
-            precision); the output layer counts at 16 bits, so the lowest reachable budget depends on its size.
+            4.0 in modelopt 0.37; FP8 8.0; NVFP4 weights with FP8 activations 4.0 by modelopt's count; 16 for a
+            layer left in full precision); the output layer counts at 16 bits, so the lowest reachable budget
+            depends on its size.
         formats: the candidates, from :data:`AUTO_FORMATS` (all of them deployable by TensorRT-LLM).
         forward_fn: ``forward_fn(model, batch)`` -> output (default: a Hugging Face causal LM on ``input_ids``,
             labels the same ids).

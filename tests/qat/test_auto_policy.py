@@ -11,8 +11,13 @@ from nemo_fp4qat.specs import ConfigError
 
 from tiny_models import VOCAB, tiny_llama
 
-# modelopt's effective bits per weight of each format (its QuantRecipe.compression x 16)
-COST = {("nvfp4", "nvfp4"): 4.5, ("fp8", "fp8"): 8.0, ("nvfp4", "fp8"): 4.0, ("bf16", "bf16"): 16.0}
+
+def _cost() -> dict[tuple[str, str], float]:
+    """modelopt's effective bits per weight of each format: NVFP4 counts its block scales from 0.4x on."""
+    import modelopt
+
+    nvfp4 = 4.0 if modelopt.__version__.startswith("0.37") else 4.5
+    return {("nvfp4", "nvfp4"): nvfp4, ("fp8", "fp8"): 8.0, ("nvfp4", "fp8"): 4.0, ("bf16", "bf16"): 16.0}
 
 
 def _batches(n: int = 4):
@@ -31,7 +36,8 @@ def _bits(policy: LayerPolicy, model) -> float:
     mods = dict(model.named_modules())
     rows = [r for r in policy.resolve(model).rows if r.quantizable]
     n = {r.module: mods[r.module].weight.numel() for r in rows}
-    return sum(COST[(r.weight, r.input)] * n[r.module] for r in rows) / sum(n.values())
+    cost = _cost()
+    return sum(cost[(r.weight, r.input)] * n[r.module] for r in rows) / sum(n.values())
 
 
 def _by_layer(policy: LayerPolicy, model) -> dict[str, tuple[str, str]]:
