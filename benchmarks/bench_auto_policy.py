@@ -10,13 +10,17 @@ bits, FP8 8, NVFP4 weights with FP8 activations 4). Each chosen policy is writte
 reported for every row, as on the Pareto plot.
 
 Run: ``.venv-core/bin/python benchmarks/bench_auto_policy.py [--quick] [--seed 0]`` (about 20 minutes per seed on
-2 cores). Writes ``benchmarks/results/auto_policy.{json,md}``.
+2 cores). Writes ``benchmarks/results/auto_policy.{json,md}``. ``--seed N --only default auto_default`` measures
+those rows for one more seed and merges them into ``benchmarks/results/auto_policy_seeds.{json,md}`` (seed 0 taken
+from ``auto_policy.json``): mean and spread over the seeds measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
+import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -24,7 +28,7 @@ from pathlib import Path
 from accuracy_data import load_accuracy_data
 from bench_levers import qad_row
 from bench_pareto import linear_bits
-from common import RESULTS_DIR, machine, write_result
+from common import RESULTS_DIR, machine, rerender, write_result
 
 from nemo_fp4qat import LayerPolicy
 from nemo_fp4qat.demo.pipeline import DemoConfig
@@ -41,6 +45,7 @@ ROWS: dict[str, tuple[str | None, tuple[tuple[str, ...], str] | None]] = {
     "preset nvfp4_w4a8 (FP8 attention, NVFP4 W / FP8 A MLP)": ("nvfp4_w4a8", None),
     "auto NVFP4/FP8/W4A8 at nvfp4_w4a8's bits": (None, (("nvfp4", "fp8", "nvfp4_w4a8"), "nvfp4_w4a8")),
 }
+KEYS = dict(zip(("default", "auto_default", "w4a8", "auto_w4a8"), ROWS))  # --only's short names
 
 
 def modelopt_bits(model, policy) -> float:
@@ -58,7 +63,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a smoke run of the whole script")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only", nargs="+", choices=list(KEYS), help="measure these rows and merge them into "
+                    "auto_policy_seeds.{json,md} under --seed (auto_policy.json keeps its seed)")  # fmt: skip
+    ap.add_argument("--render", action="store_true", help="only rewrite the markdown from the committed JSON")
     args = ap.parse_args()
+    if args.render:
+        rerender("auto_policy", render)
+        if (RESULTS_DIR / "auto_policy_seeds.json").exists():
+            rerender("auto_policy_seeds", render_seeds)
+        return
+    selected = {KEYS[k]: ROWS[KEYS[k]] for k in args.only} if args.only else ROWS
     cfg = replace(DemoConfig.quick() if args.quick else DemoConfig(), seed=args.seed)
     out = Path("runs/bench_auto_policy")
     pl.seed_everything(cfg.seed)
@@ -68,7 +82,7 @@ def main() -> None:
     ft_ppl = data.ppl(ft)
     print(f"fine-tune {ft_ppl:.3f}", flush=True)
     rows: dict[str, dict] = {}
-    for name, (preset, auto) in ROWS.items():
+    for name, (preset, auto) in selected.items():
         t0 = time.time()
         if auto is None:
             policy: LayerPolicy | str = preset
@@ -77,7 +91,7 @@ def main() -> None:
             budget = modelopt_bits(ft, like)
             policy = auto_policy(ft, data.calib, budget, formats=formats, forward_fn=lambda m, b: m(b, labels=b),
                                  name=f"auto_{'_'.join(formats)}")  # fmt: skip
-            path = RESULTS_DIR / f"auto_policy_{policy.name}.yaml"
+            path = RESULTS_DIR / f"auto_policy_{policy.name}{f'_seed{args.seed}' if args.only else ''}.yaml"
             policy.to_yaml(path, header=f"written by benchmarks/bench_auto_policy.py: modelopt auto_quantize on "
                            f"SmolLM2-135M (the demo's fine-tune), formats {', '.join(formats)}, budget {budget:.3f} "
                            f"effective bits ({like}'s)")  # fmt: skip
@@ -91,11 +105,52 @@ def main() -> None:
         row["ptq_gap"], row["qad_gap"] = row["ptq"] / ft_ppl - 1, row["qad"] / ft_ppl - 1
         rows[name] = row
         print(f"{name}: {row['storage_bits']:.3f} bits, PTQ {row['ptq']:.3f}, QAD {row['qad']:.3f}", flush=True)
-    base_ptq = rows[next(iter(ROWS))]["ptq"]
+    base_ptq = rows[next(iter(ROWS))]["ptq"] if next(iter(ROWS)) in rows else None
     for r in rows.values():
-        r["recovery_vs_default_ptq"] = recovery(base_ptq, r["qad"], ft_ppl)
+        r["recovery_vs_default_ptq"] = recovery(base_ptq, r["qad"], ft_ppl) if base_ptq else None
     data_out = {"machine": machine(), "config": vars(cfg), "bf16_finetuned": ft_ppl, "rows": rows}
-    write_result("auto_policy", render(data_out), data_out)
+    if not args.only:
+        write_result("auto_policy", render(data_out), data_out)
+        return
+    seeds_path = RESULTS_DIR / "auto_policy_seeds.json"
+    seeds = json.loads(seeds_path.read_text()) if seeds_path.exists() else {"machine": machine(), "seeds": {}}
+    if "0" not in seeds["seeds"]:  # seed 0: the rows auto_policy.json measured
+        first = json.loads((RESULTS_DIR / "auto_policy.json").read_text())
+        seeds["seeds"]["0"] = {"bf16_finetuned": first["bf16_finetuned"], "rows": first["rows"]}
+    seeds["seeds"][str(args.seed)] = {"bf16_finetuned": ft_ppl, "rows": rows}
+    seeds["config"] = vars(cfg)
+    write_result("auto_policy_seeds", render_seeds(seeds), seeds)
+
+
+def render_seeds(d: dict) -> str:
+    """Mean and sample standard deviation over the seeds that measured a row."""
+    names = [n for n in ROWS if all(n in s["rows"] for s in d["seeds"].values())]
+    seeds = sorted(d["seeds"], key=int)
+    lines = [
+        "## AutoQuantize policy vs the default preset over seeds (`benchmarks/bench_auto_policy.py --only`)",
+        "",
+        f"Machine: {d['machine']}. The setting of `auto_policy.md` (SmolLM2-135M, BF16 fine-tune on Emma, PTQ and "
+        f"QAD of it by each policy, the auto policy searched under the preset's budget), seeds {', '.join(seeds)}: "
+        "the seed orders the training windows and seeds the run. Gap: perplexity over the seed's own fine-tune.",
+        "",
+        "| policy | seed | BF16 fine-tune | PTQ ppl | PTQ gap | QAD ppl | QAD gap |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    gaps: dict[str, dict[str, list[float]]] = {n: {"ptq": [], "qad": []} for n in names}
+    for n in names:
+        for s in seeds:
+            ft, r = d["seeds"][s]["bf16_finetuned"], d["seeds"][s]["rows"][n]
+            gaps[n]["ptq"].append(r["ptq"] / ft - 1)
+            gaps[n]["qad"].append(r["qad"] / ft - 1)
+            lines.append(f"| {n} | {s} | {ft:.3f} | {r['ptq']:.3f} | {100 * gaps[n]['ptq'][-1]:.1f}% | "
+                         f"{r['qad']:.3f} | {100 * gaps[n]['qad'][-1]:.1f}% |")  # fmt: skip
+    lines += ["", "| policy | seeds | PTQ gap, mean +- sd | QAD gap, mean +- sd |", "|---|---:|---:|---:|"]
+    for n in names:
+        ptq, qad = gaps[n]["ptq"], gaps[n]["qad"]
+        sd = lambda v: statistics.stdev(v) if len(v) > 1 else 0.0  # noqa: E731
+        lines.append(f"| {n} | {len(seeds)} | {100 * statistics.mean(ptq):.1f}% +- {100 * sd(ptq):.1f} | "
+                     f"{100 * statistics.mean(qad):.1f}% +- {100 * sd(qad):.1f} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
 
 
 def _layers(policy) -> str:

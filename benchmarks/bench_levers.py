@@ -26,7 +26,7 @@ from pathlib import Path
 from accuracy_data import load_accuracy_data
 from common import RESULTS_DIR, machine, pyplot, rerender, save_figure, write_result
 
-from nemo_fp4qat import FP4QATCallback
+from nemo_fp4qat import FP4QATCallback, LayerPolicy
 from nemo_fp4qat.demo.pipeline import DemoConfig
 from nemo_fp4qat.demo.training import train_lm
 from nemo_fp4qat.eval.gate import recovery
@@ -87,7 +87,9 @@ def qad_served(ft, data, out: Path, policy: str, smoothing: dict | None, search:
     train_lm(m, data.train, cfg, out, [cb], "qad", lr=cfg.qad_lr)
     in_memory = data.ppl(m)
     try:
-        hf = export_checkpoint(m, out / "export", ExportConfig(kind="hf", overwrite=True), tokenizer=data.tok)
+        runtime = LayerPolicy.resolve_spec(policy).runtime  # a policy TensorRT-LLM cannot run exports for ours
+        export = ExportConfig(kind="hf", overwrite=True, runtime=runtime)
+        hf = export_checkpoint(m, out / "export", export, tokenizer=data.tok)
     except ExportValidationError as e:  # a finding to report, not a reason to lose the other rows
         model, exported = m, str(e).splitlines()[-1]
     else:

@@ -45,9 +45,9 @@ _TRTLLM_TO_HF = [
 
 # exported quant_algo -> this plugin's format of the weights (for memory accounting)
 _ALGO_WEIGHT_FORMAT = {
-    "NVFP4": "nvfp4", "W4A8_NVFP4_FP8": "nvfp4", "FP8": "fp8", "MXFP8": "mxfp8", "MXFP4": "mxfp4",
-    "W4A16_MXFP4": "mxfp4", "W8A16": "int8_wo", "W8A8_SQ_PER_CHANNEL": "int8_sq", "W4A16_AWQ": "int4_awq",
-    "W4A8_AWQ": "int4_awq",
+    "NVFP4": "nvfp4", "W4A8_NVFP4_FP8": "nvfp4", "W4A16_NVFP4": "nvfp4", "FP8": "fp8", "MXFP8": "mxfp8",
+    "MXFP4": "mxfp4", "W4A16_MXFP4": "mxfp4", "W8A16": "int8_wo", "W8A8_SQ_PER_CHANNEL": "int8_sq",
+    "W4A16_AWQ": "int4_awq", "W4A8_AWQ": "int4_awq",
 }  # fmt: skip
 
 

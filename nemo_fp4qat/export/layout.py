@@ -13,7 +13,8 @@ __all__ = ["FLOAT_DTYPES", "FP4_ALGOS", "NVFP4_WEIGHT_ALGOS", "SCALE_NAMES", "ch
 F8 = torch.float8_e4m3fn
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SCALE_NAMES = ("weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale")
-NVFP4_WEIGHT_ALGOS = ("NVFP4", "W4A8_NVFP4_FP8")  # same weight tensors; W4A8 has an FP8 input_scale
+# the same weight tensors; NVFP4 and W4A8 add an input_scale, W4A16_NVFP4 (weights only) has none
+NVFP4_WEIGHT_ALGOS = ("NVFP4", "W4A8_NVFP4_FP8", "W4A16_NVFP4")
 FP4_ALGOS = (*NVFP4_WEIGHT_ALGOS, "MXFP4", "W4A16_MXFP4")  # upper case; modelopt writes dense MXFP4 as "mxfp4"
 
 
@@ -45,8 +46,9 @@ def layer_layout(algo: str, t: dict[str, torch.Tensor], group_size: int | None) 
     algo = algo.upper()
     if algo in NVFP4_WEIGHT_ALGOS:
         o, i = w.shape[0], w.shape[1] * 2
-        return [("weight", (torch.uint8,), (o, i // 2)), ("weight_scale", (F8,), (o, i // 16)),
-                ("weight_scale_2", (torch.float32,), _scalar), ("input_scale", (torch.float32,), _scalar)]  # fmt: skip
+        spec = [("weight", (torch.uint8,), (o, i // 2)), ("weight_scale", (F8,), (o, i // 16)),
+                ("weight_scale_2", (torch.float32,), _scalar)]  # fmt: skip
+        return spec if algo == "W4A16_NVFP4" else [*spec, ("input_scale", (torch.float32,), _scalar)]
     if algo in ("MXFP4", "W4A16_MXFP4"):
         o, i = w.shape[0], w.shape[1] * 2
         return [("weight", (torch.uint8,), (o, i // 2)), ("weight_scale", (torch.uint8,), (o, i // 32))]

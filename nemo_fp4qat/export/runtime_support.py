@@ -144,7 +144,15 @@ def preflight(model: nn.Module, runtime: str = "trtllm", tensor_parallel: int = 
                 "different scale layout) or fails. Export with modelopt >= 0.40 (the core environment)."
             )
             continue
-        if runtime == "trtllm" and f.name == "nvfp4" and _input_format(iq) not in ("nvfp4", "fp8"):
+        nvfp4_weights_only = f.name == "nvfp4" and _input_format(iq) not in ("nvfp4", "fp8")
+        if nvfp4_weights_only and old_modelopt:
+            problems.append(
+                f"{lf.module}: NVFP4 weights with {_input_format(iq)} inputs; modelopt < 0.40 labels them NVFP4 "
+                "without an input scale (a W4A4 checkpoint with its activation scale missing). Export with modelopt "
+                ">= 0.40 (the core environment; it writes W4A16_NVFP4), or set the rule's input to 'nvfp4' or 'fp8'."
+            )
+            continue
+        if runtime == "trtllm" and nvfp4_weights_only:
             # TensorRT-LLM has NVFP4 (W4A4) and W4A8_NVFP4_FP8 kernels, no W4A16 NVFP4; modelopt 0.47
             # labels such a layer W4A16_NVFP4, modelopt 0.37 labels it NVFP4 without an input scale.
             problems.append(

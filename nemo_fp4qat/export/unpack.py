@@ -126,7 +126,7 @@ def dequantize_linear(tensors: dict[str, torch.Tensor], quant_algo: str | None) 
     if algo in ("", "NO_QUANT", "NONE"):
         return w.to(torch.float64)
     try:
-        if algo in ("NVFP4", "W4A8_NVFP4_FP8"):
+        if algo in ("NVFP4", "W4A8_NVFP4_FP8", "W4A16_NVFP4"):
             return dequantize_nvfp4(w, tensors["weight_scale"], tensors["weight_scale_2"])
         if algo in ("MXFP4", "W4A16_MXFP4"):
             return dequantize_mxfp4(w, tensors["weight_scale"])

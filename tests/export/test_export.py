@@ -240,6 +240,37 @@ def test_refused_exports_write_nothing(tmp_path, policy, hidden, runtime, needle
     assert list(tmp_path.iterdir()) == []
 
 
+def test_nvfp4_weights_only_exports_for_the_pytorch_runtime_code_for_code_and_serves_as_trained(tmp_path):
+    """NVFP4 weights with 16-bit activations (modelopt writes W4A16_NVFP4: no input_scale): the refusal above
+    points to runtime="pytorch", and that export validates every FP4 code, serves the trained model's logits and
+    still names a moved code."""
+    from nemo_fp4qat.export.deployed_model import load_deployed_model
+
+    model = calibrated_tiny_llama(W4A16_NVFP4)
+    if not uses_list_config():  # modelopt 0.37 labels these layers NVFP4 without an input scale: refused up front
+        with pytest.raises(ExportRefused, match="without an input scale"):
+            export_checkpoint(model, tmp_path / "ckpt", ExportConfig(kind="hf", runtime="pytorch"))
+        assert list(tmp_path.iterdir()) == []
+        return
+    out = export_checkpoint(model, tmp_path / "ckpt", ExportConfig(kind="hf", runtime="pytorch"))
+    report = json.loads((out / "validation.json").read_text())
+    assert report["ok"] and set(a for a in report["layers"].values() if a) == {"W4A16_NVFP4"}
+    num = report["numeric"]
+    assert num["layers_compared"] == 14 and num["fp4_codes_compared"] > 0 and num["fp4_codes_different"] == 0
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    served = load_deployed_model(out).model
+    with torch.no_grad():
+        assert torch.allclose(served(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-5)
+    name = "model.layers.1.self_attn.o_proj.weight"
+
+    def flip(t):
+        w = t[name].clone()
+        w.view(-1)[3] ^= 1
+        t[name] = w
+
+    assert "FP4 codes differ" in _errors(validate_export(_corrupt(out, tmp_path / "bad", flip), model=model))[name]
+
+
 def test_interrupted_export_leaves_no_directory_and_keeps_the_old_one(tmp_path):
     model = calibrated_tiny_llama("nvfp4")
     out = export_checkpoint(model, tmp_path / "ckpt", ExportConfig(kind="hf"))
