@@ -103,6 +103,13 @@ def collect(pareto: dict, seeds_file: Path, bits: dict[str, float]) -> list[dict
             mean, sd = _stats(vals)
             entries.append({"name": LABELS.get(name, name), "bits": bits[policy or "bf16"], "mean": mean, "sd": sd,
                             "seeds": len(vals), "source": "accuracy_seeds.json"})  # fmt: skip
+    auto_file = seeds_file.parent / "auto_policy_seeds.json"  # QAD from the fine-tune: auto policy vs preset
+    auto = json.loads(auto_file.read_text())["seeds"] if auto_file.is_file() else {}
+    for name in {n: None for s in auto.values() for n in s["rows"]}:
+        runs = [s["rows"][name] for s in auto.values() if name in s["rows"]]
+        mean, sd = _stats([r["qad"] for r in runs])
+        entries.append({"name": f"QAD {name}", "bits": runs[0]["storage_bits"], "mean": mean, "sd": sd,
+                        "seeds": len(runs), "source": "auto_policy_seeds.json"})  # fmt: skip
     for name in (PTQ_EQUAL, OURS_EQUAL):
         vals = [r[name] for r in pareto["seeds"].values()]
         mean, sd = _stats(vals)
@@ -126,7 +133,8 @@ def render(pareto: dict, entries: list[dict]) -> str:
         f"{', '.join(seeds)}; mean ± sd over seeds. Bits per linear weight: storage of the decoder's linear weights "
         "with block scales (lm_head, tied to the embeddings, is full precision in every row). Rows from "
         "`accuracy_seeds.json` are that benchmark's (same data, steps and seeds); the fine-tune there and here agree "
-        f"({_stats(own_ft)[0]:.3f} here).",
+        f"({_stats(own_ft)[0]:.3f} here). QAD rows are `auto_policy_seeds.json`'s: QAD from the BF16 fine-tune "
+        "(20 steps), the `default` preset against modelopt AutoQuantize's policy at its bits.",
         "",
         "| row | bits / linear weight | perplexity | seeds | from |",
         "|---|---:|---|---:|---|",
@@ -151,8 +159,8 @@ def plot(entries: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for e in entries:
-        color = "tab:green" if e["name"].startswith("ours") else "tab:gray" if e["name"].startswith(("PTQ", "bf16")) \
-            else "tab:orange"  # fmt: skip
+        ours, ref = e["name"].startswith(("ours", "QAD")), e["name"].startswith(("PTQ", "bf16"))
+        color = "tab:green" if ours else "tab:gray" if ref else "tab:orange"
         ax.errorbar(e["bits"], e["mean"], yerr=e["sd"], fmt="o", color=color, capsize=3)
         ax.annotate(e["name"], (e["bits"], e["mean"]), fontsize=7, xytext=(5, 2), textcoords="offset points")
     ax.set_xlabel("bits per linear weight (block scales included)")
