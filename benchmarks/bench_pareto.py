@@ -140,7 +140,8 @@ def render(pareto: dict, entries: list[dict]) -> str:
         "|---|---:|---|---:|---|",
     ]
     for e in sorted(entries, key=lambda e: (e["bits"], e["mean"])):
-        lines.append(f"| {e['name']} | {e['bits']:.2f} | {e['mean']:.3f} ± {e['sd']:.3f} | {e['seeds']} | "
+        ppl = f"{e['mean']:.3f} ± {e['sd']:.3f}" if e["seeds"] > 1 else f"{e['mean']:.3f}"
+        lines.append(f"| {e['name']} | {e['bits']:.2f} | {ppl} | {e['seeds']} | "
                      f"{e['source']} |")  # fmt: skip
     by = {e["name"]: e for e in entries}
     peers = [e for e in entries if e["bits"] == by[OURS_EQUAL]["bits"] and not e["name"].startswith(("ours", "PTQ"))]
