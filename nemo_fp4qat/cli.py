@@ -199,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--plain-qat", action="store_true", help="also run plain QAT and report it beside QAD")
     d.add_argument("--distill", type=float, help="--mode qat: weight of distillation from the original (0..1)")
     d.add_argument("--schedule", help="--mode qat: precision schedule preset or YAML (default: progressive)")
-    d.add_argument("--policy", help="layer policy preset or YAML (default: default)")
+    d.add_argument("--policy", help="layer policy preset or YAML (default: smollm2_auto, modelopt "
+                   "AutoQuantize's choice for SmolLM2 at the default preset's bits)")  # fmt: skip
     d.add_argument("--smoothing", nargs="*", metavar="SITE", help="fold SmoothQuant factors into the weights "
                    "before calibration at these sites (attn_in mlp_in mlp_down; none given: the default sites), "
                    "'off' to disable")  # fmt: skip

@@ -20,7 +20,7 @@ def test_wheel_installs_and_runs_outside_the_source_tree(tmp_path):
     (wheel,) = wheels.glob("nemo_fp4qat-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "nemo_fp4qat/demo/data/emma.txt" in names and "nemo_fp4qat/demo/data/persuasion.txt" in names
-    assert "nemo_fp4qat/export/deployed_model.py" in names
+    assert "nemo_fp4qat/export/deployed_model.py" in names and "nemo_fp4qat/demo/data/smollm2_auto_policy.yaml" in names
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
@@ -37,6 +37,7 @@ def test_wheel_installs_and_runs_outside_the_source_tree(tmp_path):
         "assert 'site-packages' in nemo_fp4qat.__file__, nemo_fp4qat.__file__; "
         "assert len(load_corpus('emma')) > 100000; "
         "assert nemo_fp4qat.LayerPolicy.preset('default').runtime == 'trtllm'; "
+        "from nemo_fp4qat.demo.pipeline import DemoConfig; assert DemoConfig().layer_policy().rules; "
         "raise SystemExit(main(['formats']))"
     )
     res = subprocess.run([str(py), "-c", code], capture_output=True, text=True, cwd=tmp_path)

@@ -24,13 +24,24 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from .training import token_windows, train_lm
 
-__all__ = ["DemoConfig", "run_demo"]
+if TYPE_CHECKING:
+    from ..qat.policy import LayerPolicy
+
+__all__ = ["DEMO_POLICIES", "DemoConfig", "run_demo"]
 
 log = logging.getLogger("nemo_fp4qat")
+
+# Policies for the demo's model only (their rules name SmolLM2-135M's layers), by the name ``--policy`` takes.
+# ``smollm2_auto``: modelopt AutoQuantize's per-layer choice over NVFP4 and FP8 for SmolLM2-135M at the
+# ``default`` preset's bits, as benchmarks/bench_auto_policy.py wrote it (benchmarks/results/
+# auto_policy_auto_nvfp4_fp8.yaml). At those bits its QAD gap to the fine-tune was lower than the preset's on
+# each of 3 seeds (benchmarks/results/auto_policy_seeds.md). The search itself (about 150 s on 2 cores) does
+# not fit the demo's budget, so the demo reads its result.
+DEMO_POLICIES = {"smollm2_auto": Path(__file__).parent / "data" / "smollm2_auto_policy.yaml"}
 
 
 @dataclass
@@ -42,7 +53,9 @@ class DemoConfig:
     eval_window: int = 256
     eval_windows: int = 8
     calib_samples: int = 64
-    policy: str = "default"
+    # a preset, a YAML file or a name in DEMO_POLICIES (``"default"``: the hand preset the levers and the seed
+    # and token benchmarks were measured with)
+    policy: str = "smollm2_auto"
     # The QAT stage. "qad": NVIDIA's QAD workflow: start from the PTQ of the fine-tuned model, the
     # fine-tune (frozen) as teacher, KL only, direct schedule, qad_lr. "qat": plain QAT from the
     # original model on the LM loss with `schedule` (what the demo ran before; `distill_alpha` > 0
@@ -61,10 +74,10 @@ class DemoConfig:
     # The recipe's deployable levers (benchmarks/results/levers.md, one table measured in one run): activation
     # smoothing of the gate/up inputs folded into the norms (``nemo_fp4qat.qat.smoothing``; None/False: off) and
     # minimum-error NVFP4 weight block scales applied as a weight clip (``nemo_fp4qat.qat.block_scale_search``).
-    # Together they took QAD from 45.548 to 44.063 (recovery 0.282 -> 0.432 against max-calibrated PTQ); each
-    # alone gained less (44.909, 45.338). Over 3 seeds (recipe_seeds.md): recovery 0.276 +- 0.126 -> 0.400 +- 0.028.
-    # The QAT stage starts from the PTQ they make; the plain max-calibrated PTQ is measured too, as the recovery's
-    # reference.
+    # On the `default` preset, together they took QAD from 45.548 to 44.063 (recovery 0.282 -> 0.432 against
+    # max-calibrated PTQ); each alone gained less (44.909, 45.338). Over 3 seeds (recipe_seeds.md): recovery
+    # 0.276 +- 0.126 -> 0.400 +- 0.028. The QAT stage starts from the PTQ they make; the plain max-calibrated PTQ
+    # is measured too, as the recovery's reference.
     smoothing: Any = field(default_factory=lambda: {"sites": ["mlp_in"], "alpha": 0.5})
     block_scale_search: bool | float = True
     seed: int = 0
@@ -74,9 +87,20 @@ class DemoConfig:
         from ..qat.smoothing import SmoothingConfig
 
         SmoothingConfig.resolve_spec(self.smoothing)  # refuse a bad spec before the model loads
+        self.layer_policy()  # the same for the policy
         CalibrationConfig(num_samples=100, block_scale_search=self.block_scale_search)  # the same for this one
         if self.mode not in ("qad", "qat"):
             raise ValueError(f"demo mode {self.mode!r} is not known; use 'qad' (default) or 'qat'.")
+
+    def layer_policy(self) -> LayerPolicy:
+        """The policy ``policy`` names (a name in :data:`DEMO_POLICIES`, a preset or a YAML file)."""
+        from ..qat.policy import LayerPolicy
+        from ..specs import ConfigError
+
+        try:
+            return LayerPolicy.resolve_spec(DEMO_POLICIES.get(self.policy, self.policy))
+        except ConfigError as e:
+            raise ConfigError(f"{e} The demo also takes: {', '.join(DEMO_POLICIES)}.") from e
 
     @classmethod
     def quick(cls) -> DemoConfig:
@@ -129,6 +153,7 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float) -> int:
     from ..qat.controller import QATController
     from .model import load_corpus, load_smollm2
 
+    policy = cfg.layer_policy()
     con.print(f"[bold]nemo-fp4qat demo[/bold]: SmolLM2-135M on Austen (details: {out / 'demo.log'})")
     log.info("demo config: %s", asdict(cfg))
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -168,7 +193,7 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float) -> int:
 
     def ptq(calibration: dict[str, Any], name: str) -> tuple[dict[str, Any], QATController]:
         model = copy.deepcopy(ft)
-        ctl = QATController(policy=cfg.policy, schedule="direct", calibration=calibration,
+        ctl = QATController(policy=policy, schedule="direct", calibration=calibration,
                             forward_fn=lambda m, b: m(b))  # fmt: skip
         ctl.prepare(model)
         ctl.calibrate(model, calib)
@@ -182,12 +207,12 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float) -> int:
     if levers:  # what the QAT stage starts from
         variants["ptq_recipe"], _ = ptq(calibration, "PTQ with the recipe's levers")
         result += f"; with {' + '.join(levers)}: {variants['ptq_recipe']['ppl']:.3f}"
-    stage(3, f"PTQ of the fine-tune (policy {cfg.policy!r})", result)
+    stage(3, f"PTQ of the fine-tune (policy {policy.name!r})", result)
 
     def plain_qat() -> tuple[Any, list[float], FP4QATCallback, QuantizationMonitor]:
         model = copy.deepcopy(base)
         distill = {"alpha": cfg.distill_alpha} if cfg.distill_alpha > 0 else None
-        cb = FP4QATCallback(policy=cfg.policy, schedule=cfg.schedule, calibration=calibration,
+        cb = FP4QATCallback(policy=policy, schedule=cfg.schedule, calibration=calibration,
                             calibration_data=calib, forward_fn=lambda m, b: m.net(b), distillation=distill)  # fmt: skip
         mon = QuantizationMonitor(every_n_steps=max(1, cfg.steps // 2), out_dir=str(out / "quant_quality"))
         return model, train_lm(model, train, cfg, out, [cb, mon], "qat"), cb, mon
@@ -198,7 +223,7 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float) -> int:
         # the student starts where PTQ left the fine-tune (same calibration data); the teacher is the
         # fine-tune itself (the callback's frozen copy before quantization)
         model = copy.deepcopy(ft)
-        cb = FP4QATCallback(policy=cfg.policy, schedule="direct", calibration=calibration,
+        cb = FP4QATCallback(policy=policy, schedule="direct", calibration=calibration,
                             calibration_data=calib, forward_fn=lambda m, b: m.net(b), distillation="qad")  # fmt: skip
         # one switch (step 0) and the end (each full-model analysis: report.json's monitor_measure_s)
         mon = QuantizationMonitor(every_n_steps=qad_steps, out_dir=str(out / "quant_quality"))
@@ -225,10 +250,9 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float) -> int:
     stage(4, what, f"perplexity {variants['qat']['ppl']:.3f}{plain_note}")
     from ..export import ExportConfig, export_checkpoint
     from ..export.deployed_model import load_deployed_model
-    from ..qat.policy import LayerPolicy
 
-    # Presets say where they deploy: "trtllm" (default) or "pytorch" (MXFP8 attention: this plugin's server only).
-    runtime = LayerPolicy.resolve_spec(cfg.policy).runtime
+    # Policies say where they deploy: "trtllm" (default) or "pytorch" (MXFP8 attention: this plugin's server only).
+    runtime = policy.runtime
     exports: dict[str, str] = {}
     if runtime == "trtllm":
         trt = export_checkpoint(qat_model, out / "export_trtllm", ExportConfig(kind="trtllm", runtime=runtime,

@@ -41,3 +41,27 @@ def test_demo_prints_five_stages_and_writes_the_details_to_files(tmp_path):
     assert {"bf16", "bf16_finetuned", "ptq", "qat"} <= set(report["variants"])
     for export in ("export", "export_trtllm"):
         assert json.loads((out / export / "validation.json").read_text())["ok"] is True
+
+
+def test_the_demo_runs_the_policy_autoquantize_chose_and_the_benchmarks_measured():
+    """The demo's default policy is, rule for rule, the table `benchmarks/bench_auto_policy.py` wrote for
+    SmolLM2-135M at the `default` preset's bits (the one `auto_policy_seeds.md` measured against the preset)."""
+    from pathlib import Path
+
+    from nemo_fp4qat.demo.pipeline import DemoConfig
+    from nemo_fp4qat.qat.policy import LayerPolicy
+
+    root = Path(__file__).resolve().parents[2]
+    shipped = DemoConfig().layer_policy()
+    measured = LayerPolicy.from_yaml(root / "benchmarks" / "results" / "auto_policy_auto_nvfp4_fp8.yaml")
+    assert DemoConfig().policy == "smollm2_auto" and shipped.to_dict() == measured.to_dict()
+    assert shipped.runtime == "trtllm"
+    assert DemoConfig(policy="default").layer_policy().name == "default"  # the hand preset stays one flag away
+
+
+def test_a_demo_policy_that_does_not_exist_is_refused_naming_the_choices():
+    from nemo_fp4qat.demo.pipeline import DemoConfig
+    from nemo_fp4qat.specs import ConfigError
+
+    with pytest.raises(ConfigError, match=r"neither a preset.*The demo also takes: smollm2_auto\."):
+        DemoConfig(policy="smollm2_autp")

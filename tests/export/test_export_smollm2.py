@@ -196,14 +196,15 @@ def test_demo_recipe_exports_for_trtllm_code_for_code_and_deploys_its_perplexity
     demo = DemoConfig()
     model = copy.deepcopy(base)
     calibration = {"num_samples": 4, "smoothing": demo.smoothing, "block_scale_search": demo.block_scale_search}
-    ctl = QATController(policy=demo.policy, schedule="direct", calibration=calibration, forward_fn=lambda m, b: m(b))
+    ctl = QATController(policy=demo.layer_policy(), schedule="direct", calibration=calibration,
+                        forward_fn=lambda m, b: m(b))  # fmt: skip
     ctl.prepare(model)
     ctl.calibrate(model, calib)
     assert len(ctl.smoothed) == base.config.num_hidden_layers  # mlp_in only
-    # down_proj is not smoothed (mlp_in scales gate/up): only the clip can have changed its weights
-    down = "model.layers.0.mlp.down_proj"
-    assert not torch.equal(dict(model.named_modules())[down].weight, dict(base.named_modules())[down].weight)
     nvfp4 = [lf.module for lf in quantized_layers(model) if lf.weight.name == "nvfp4"]
+    # down_proj is not smoothed (mlp_in scales gate/up): only the clip can have changed an NVFP4 one's weights
+    down = next(n for n in nvfp4 if n.endswith("mlp.down_proj"))
+    assert not torch.equal(dict(model.named_modules())[down].weight, dict(base.named_modules())[down].weight)
     assert nvfp4 and set(ctl.block_clips) == set(nvfp4), sorted(set(ctl.block_clips) ^ set(nvfp4))[:4]
     assert all(c.clipped > 0 and c.error_searched < c.error_max_rule for c in ctl.block_clips.values())
     trt = export_checkpoint(model, tmp_path / "trtllm", ExportConfig(kind="trtllm", runtime="trtllm"), tokenizer=tok)
