@@ -207,7 +207,8 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float) -> int:
     if levers:  # what the QAT stage starts from
         variants["ptq_recipe"], _ = ptq(calibration, "PTQ with the recipe's levers")
         result += f"; with {' + '.join(levers)}: {variants['ptq_recipe']['ppl']:.3f}"
-    stage(3, f"PTQ of the fine-tune (policy {policy.name!r})", result)
+    label = cfg.policy if cfg.policy in DEMO_POLICIES else policy.name  # the name the user gave, not a file's path
+    stage(3, f"PTQ of the fine-tune (policy {label!r})", result)
 
     def plain_qat() -> tuple[Any, list[float], FP4QATCallback, QuantizationMonitor]:
         model = copy.deepcopy(base)

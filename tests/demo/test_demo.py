@@ -26,6 +26,7 @@ def test_demo_prints_five_stages_and_writes_the_details_to_files(tmp_path):
     stages = [m.group(1) for m in re.finditer(r"^(\d)/5 ", res.stdout, re.M)]
     assert stages == ["1", "2", "3", "4", "5"], res.stdout
     assert "gap to BF16" in res.stdout and "BF16 vs PTQ vs QAT" in res.stdout
+    assert "PTQ of the fine-tune (policy 'smollm2_auto')" in res.stdout
     # the per-module policy table, library prints, the libraries' warnings and Lightning's set-up notes are not on
     # the terminal (stdout or stderr) ...
     terminal = res.stdout + res.stderr
