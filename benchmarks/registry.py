@@ -66,6 +66,8 @@ BENCHMARKS = [
               ("--render",)),
     Benchmark("qad_tokens", "bench_qad_tokens.py", "accuracy", ("qad_tokens",),
               "QAD's gap and recovery against distinct training tokens, W4A16 beside", ("--render",)),
+    Benchmark("demo_qad_lr", "bench_demo_qad_lr.py", "accuracy", ("demo_qad_lr",),
+              "the demo's QAD stage against its learning rate, on the demo's policy", ("--render",)),
     Benchmark("mc", "bench_mc.py", "accuracy", ("mc",), "multiple choice with a paired test", ("--render",)),
     Benchmark("mutation", "run_mutation.py", "mutation", ("mutation",), "mutation testing of the numerics"),
     Benchmark("reliability", "bench_reliability.py", "reliability", ("reliability",),

@@ -62,7 +62,8 @@ class DemoConfig:
     # adds distillation from the original model).
     mode: str = "qad"
     # measured on this workload at 40 steps: 1e-5 recovers 0.23, 5e-5 0.39, 1e-4 0.40
-    # (shared/ENVIRONMENT.md); at the demo's 20 steps 5e-5 and 1e-4 both recover 0.27
+    # (shared/ENVIRONMENT.md); at the demo's 20 steps 5e-5 and 1e-4 both recover 0.27. On the demo's policy
+    # 2e-5 and 5e-5 tie over 3 seeds (gap 11.1% each, benchmarks/results/demo_qad_lr.md)
     qad_lr: float = 5e-5
     # QAD steps (0: the fine-tune's `steps`). A QAD step costs about twice a fine-tune step on 2 cores
     # (fake quant and the teacher); 30 steps (a second pass over the same 80 windows) measured worse
