@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,7 +13,7 @@ import torch
 from nemo_fp4qat import QATController
 from nemo_fp4qat.demo.model import load_corpus, load_smollm2
 from nemo_fp4qat.demo.pipeline import DemoConfig
-from nemo_fp4qat.demo.training import token_windows
+from nemo_fp4qat.demo.training import token_windows, train_lm
 from nemo_fp4qat.eval.evaluation import evaluate
 
 
@@ -28,6 +29,12 @@ class AccuracyData:
 
     def ppl(self, model: Any) -> float:
         return evaluate(model, self.val, window=self.cfg.eval_window).as_dict()["ppl"]
+
+    def finetune(self, out: Path, name: str = "finetune") -> Any:
+        """The BF16 fine-tune of a copy of ``base`` on ``train`` (the demo's stage 2); its logs go under ``out``."""
+        ft = copy.deepcopy(self.base)
+        train_lm(ft, self.train, self.cfg, out, [], name)
+        return ft
 
     def ptq(self, model: Any, policy: Any, smoothing: Any = None, block_scale_search: bool | float = False) -> Any:
         """A calibrated copy of ``model`` quantized by ``policy`` (the original is left as it was)."""

@@ -18,7 +18,6 @@ from ``auto_policy.json``): mean and spread over the seeds measured.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import statistics
 import time
@@ -32,7 +31,6 @@ from common import RESULTS_DIR, machine, rerender, write_result
 
 from nemo_fp4qat import LayerPolicy
 from nemo_fp4qat.demo.pipeline import DemoConfig
-from nemo_fp4qat.demo.training import train_lm
 from nemo_fp4qat.eval.gate import recovery
 from nemo_fp4qat.qat.auto_policy import auto_policy
 
@@ -77,8 +75,7 @@ def main() -> None:
     out = Path("runs/bench_auto_policy")
     pl.seed_everything(cfg.seed)
     data = load_accuracy_data(cfg)
-    ft = copy.deepcopy(data.base)
-    train_lm(ft, data.train, cfg, out, [], "finetune")
+    ft = data.finetune(out)
     ft_ppl = data.ppl(ft)
     print(f"fine-tune {ft_ppl:.3f}", flush=True)
     rows: dict[str, dict] = {}

@@ -16,7 +16,6 @@ its fine-tune reproduces). About 4 minutes per learning rate and 3 per seed's fi
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import statistics
 import time
@@ -28,7 +27,6 @@ from bench_levers import qad_row
 from common import RESULTS_DIR, machine, rerender, write_result
 
 from nemo_fp4qat.demo.pipeline import DemoConfig
-from nemo_fp4qat.demo.training import train_lm
 from nemo_fp4qat.eval.gate import recovery
 
 
@@ -36,12 +34,7 @@ def _saved() -> dict:
     path = RESULTS_DIR / "demo_qad_lr.json"
     if not path.is_file():
         return {"seeds": {}}
-    d = json.loads(path.read_text())
-    if "rows" in d:  # one seed's run, as first written
-        seed = str(d["config"]["seed"])
-        d = {"machine": d["machine"], "config": d["config"], "seeds": {seed: {k: d[k] for k in
-             ("bf16_finetuned", "ptq", "ptq_recipe", "rows")}}}  # fmt: skip
-    return d
+    return json.loads(path.read_text())
 
 
 def main() -> None:
@@ -61,8 +54,7 @@ def main() -> None:
     out = Path("runs/bench_demo_qad_lr")
     pl.seed_everything(cfg.seed)
     data = load_accuracy_data(cfg)
-    ft = copy.deepcopy(data.base)
-    train_lm(ft, data.train, cfg, out, [], "finetune")
+    ft = data.finetune(out)
     ft_ppl = data.ppl(ft)
     result = _saved()
     result.update(machine=machine(), config={**vars(cfg), "seed": None})

@@ -15,7 +15,6 @@ part of ``make bench-accuracy``. Writes ``benchmarks/results/mc.{json,md,png}``.
 from __future__ import annotations
 
 import argparse
-import copy
 import math
 import time
 from pathlib import Path
@@ -27,7 +26,6 @@ from common import RESULTS_DIR, machine, pyplot, rerender, save_figure, write_re
 from tqdm import tqdm
 
 from nemo_fp4qat.demo.pipeline import DemoConfig
-from nemo_fp4qat.demo.training import train_lm
 from nemo_fp4qat.eval.evaluation import multiple_choice_outcomes
 from nemo_fp4qat.eval.paired import paired_difference
 from nemo_fp4qat.eval.tasks import next_sentence_tasks
@@ -83,8 +81,7 @@ def main() -> None:
         print(f"{name}: ppl {ppl:.3f}, MC acc {acc:.3f} (norm {acc_norm:.3f})", flush=True)
 
     t0 = time.time()
-    ft = copy.deepcopy(data.base)
-    train_lm(ft, data.train, cfg, out, [], "finetune")
+    ft = data.finetune(out)
     score(FT, ft, data.ppl(ft), time.time() - t0)
     for name, (stage, policy, smoothing, search) in ROWS.items():
         t0 = time.time()

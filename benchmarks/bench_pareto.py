@@ -77,8 +77,7 @@ def run_seed(seed: int, base_cfg: DemoConfig, out: Path) -> dict[str, float]:
     cfg = replace(base_cfg, seed=seed)
     pl.seed_everything(seed)
     data = load_accuracy_data(cfg)
-    ft = copy.deepcopy(data.base)
-    train_lm(ft, data.train, cfg, out, [], f"s{seed}_finetune")
+    ft = data.finetune(out, f"s{seed}_finetune")
     rows = {FT: data.ppl(ft), PTQ_EQUAL: data.ppl(data.ptq(ft, "fp_embeddings"))}
     m = copy.deepcopy(data.base)
     cb = FP4QATCallback(policy="fp_embeddings", schedule="direct", calibration=cfg.calib_samples,

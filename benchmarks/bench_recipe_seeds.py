@@ -12,7 +12,6 @@ seed on 2 cores), part of ``make bench-accuracy``. Writes ``benchmarks/results/r
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 from pathlib import Path
 
@@ -21,7 +20,6 @@ from bench_levers import qad_row
 from common import machine, rerender, write_result
 
 from nemo_fp4qat.demo.pipeline import DemoConfig
-from nemo_fp4qat.demo.training import train_lm
 from nemo_fp4qat.eval.gate import recovery
 
 ROWS = ("none", "recipe")
@@ -45,8 +43,7 @@ def main() -> None:
         cfg = DemoConfig(seed=seed, policy="default")  # the preset the recipe's levers were measured on
         pl.seed_everything(seed)
         data = load_accuracy_data(cfg)
-        ft = copy.deepcopy(data.base)
-        train_lm(ft, data.train, cfg, out, [], "finetune")
+        ft = data.finetune(out)
         res: dict = {"bf16_finetuned": data.ppl(ft)}
         for row, (smoothing, search) in levers.items():
             m = data.ptq(ft, cfg.policy, smoothing, search)
