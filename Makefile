@@ -93,7 +93,7 @@ bench: $(CORE)/.stamp
 # recipe against no lever over 3 seeds (#17, 30 minutes).
 bench-accuracy: $(BENCH_SITE)/.stamp
 	PYTHONPATH=$(BENCH_SITE) $(CORE)/bin/python benchmarks/registry.py run --group accuracy-peers
-	$(CORE)/bin/python benchmarks/registry.py run pareto levers recipe_seeds mc auto_policy qad_tokens demo_qad_lr
+	$(CORE)/bin/python benchmarks/registry.py run pareto levers recipe_seeds mc auto_policy qad_tokens demo_qad_lr scale_levers
 	for seed in 1 2; do $(CORE)/bin/python benchmarks/registry.py run auto_policy -- --seed $$seed --only default auto_default; done
 	$(CORE)/bin/python benchmarks/run_all.py --only-collect
 

@@ -36,11 +36,13 @@ class AccuracyData:
         train_lm(ft, self.train, self.cfg, out, [], name)
         return ft
 
-    def ptq(self, model: Any, policy: Any, smoothing: Any = None, block_scale_search: bool | float = False) -> Any:
-        """A calibrated copy of ``model`` quantized by ``policy`` (the original is left as it was)."""
+    def ptq(self, model: Any, policy: Any, smoothing: Any = None, block_scale_search: bool | float = False,
+            **calibration_fields: Any) -> Any:  # fmt: skip
+        """A calibrated copy of ``model`` quantized by ``policy`` (the original is left as it was); further
+        ``CalibrationConfig`` fields (``weight_scale``, ``act_scale``) as keywords."""
         m = copy.deepcopy(model)
         calibration = {"num_samples": self.cfg.calib_samples, "smoothing": smoothing,
-                       "block_scale_search": block_scale_search}  # fmt: skip
+                       "block_scale_search": block_scale_search, **calibration_fields}  # fmt: skip
         ctl = QATController(policy=policy, calibration=calibration, forward_fn=lambda x, b: x(b))
         ctl.prepare(m)
         ctl.calibrate(m, self.calib)

@@ -66,24 +66,28 @@ QAD_LEVERS = [
 ]
 
 
-def qad_row(ft, data, out: Path, policy: str, smoothing: dict | None, search: bool) -> dict:
+def qad_row(ft, data, out: Path, policy: str, smoothing: dict | None, search: bool, **levers) -> dict:
     """The demo's QAD stage on a copy of the fine-tune ``ft`` with one lever, exported (unified HF, validated on
-    write) and measured as served."""
-    return qad_served(ft, data, out, policy, smoothing, search)[0]
+    write) and measured as served; ``levers``: :func:`qad_served`'s scale levers."""
+    return qad_served(ft, data, out, policy, smoothing, search, **levers)[0]
 
 
-def qad_served(ft, data, out: Path, policy: str, smoothing: dict | None, search: bool) -> tuple[dict, object]:
+def qad_served(ft, data, out: Path, policy: str, smoothing: dict | None, search: bool, learned_scales=None,
+               **calibration_fields) -> tuple[dict, object]:  # fmt: skip
     """:func:`qad_row`'s row and the model it measured: the served checkpoint rebuilt by the serving unpacker
-    (the trained model if the export was refused)."""
+    (the trained model if the export was refused). ``learned_scales`` and further ``CalibrationConfig`` fields
+    (``weight_scale``, ``act_scale``) choose the scale levers."""
     from nemo_fp4qat.export import ExportConfig, ExportValidationError, export_checkpoint
     from nemo_fp4qat.export.deployed_model import load_deployed_model
 
     cfg = data.cfg
     t0 = time.time()
     m = copy.deepcopy(ft)
-    calibration = {"num_samples": cfg.calib_samples, "smoothing": smoothing, "block_scale_search": search}
+    calibration = {"num_samples": cfg.calib_samples, "smoothing": smoothing, "block_scale_search": search,
+                   **calibration_fields}  # fmt: skip
     cb = FP4QATCallback(policy=policy, schedule="direct", calibration=calibration, calibration_data=data.calib,
-                        forward_fn=lambda x, b: x.net(b), distillation="qad")  # fmt: skip
+                        forward_fn=lambda x, b: x.net(b), distillation="qad",
+                        learned_scales=learned_scales)  # fmt: skip
     train_lm(m, data.train, cfg, out, [cb], "qad", lr=cfg.qad_lr)
     in_memory = data.ppl(m)
     try:

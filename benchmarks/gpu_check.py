@@ -13,8 +13,10 @@ Sections (each records its result or its error, and the run goes on):
    ``distillation="qad"``, default policy, direct schedule; ``--cpu``: a tiny random Llama) -> TensorRT-LLM and
    unified HF export, each validated against the trained model (FP4 codes that differ, with the exact kernel and,
    on a GPU, with modelopt's kernel) -> perplexity of the deployed export on the device and on the CPU.
-3. ``step``: QAT / BF16 step time and peak memory of a Llama block, with the exact kernel and with modelopt's.
-4. ``nemo``: the NeMo path is not part of this run (NeMo 2.7.3 and megatron-core exceed the 64 MiB a device run can
+3. ``static``: static per-block NVFP4 and LSQ's FP4 cast (modelopt >= 0.46): this package's torch forwards on the
+   CPU against the device (exact path) and modelopt's Triton kernels; one LSQ quantizer's gradients, CPU vs device.
+4. ``step``: QAT / BF16 step time and peak memory of a Llama block, with the exact kernel and with modelopt's.
+5. ``nemo``: the NeMo path is not part of this run (NeMo 2.7.3 and megatron-core exceed the 64 MiB a device run can
    carry); it says so in the results.
 
 ``benchmarks/render_gpu.py`` renders the JSON into ``results/gpu_check*.md``.
@@ -97,6 +99,105 @@ def parity(device: str, small: bool) -> list[dict[str, Any]]:
                             rec[kernel] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                     out.append(rec)
     return out
+
+
+def static_parity(device: str, small: bool) -> list[dict[str, Any]]:
+    """Static per-block NVFP4 (modelopt >= 0.46's calibrated / learned weight scales) and LSQ's FP4 cast: this
+    package's torch forwards on the CPU (the reference) against the same on the device and modelopt's Triton
+    kernels; and one LSQ quantizer's forward and amax gradients, CPU against the device."""
+    from modelopt.torch.quantization import tensor_quant
+
+    from nemo_fp4qat import install_cpu_backend
+    from nemo_fp4qat.numerics.cpu_backend import set_cuda_nvfp4_kernel
+    from nemo_fp4qat.numerics.static_nvfp4 import fp4_cast, static_nvfp4_fake_quant
+
+    install_cpu_backend()
+    if not hasattr(tensor_quant, "static_blockwise_fp4_fake_quant"):
+        return [{"skipped": f"modelopt {tensor_quant.__name__} has no static NVFP4 (needs >= 0.46)"}]
+    shapes = [(8, 256), (33, 160)] if small else [(256, 4096), (33, 160)]
+    g = torch.Generator().manual_seed(0)
+    out: list[dict[str, Any]] = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape in shapes:
+            for mag in (1e-2, 1.0, 50.0):
+                x = (torch.randn(shape, generator=g) * mag).to(dtype)
+                blocks = x.float().reshape(-1, 16).abs().amax(-1, keepdim=True)
+                amax = blocks * (0.7 + 0.6 * torch.rand(blocks.shape, generator=g))  # calibrated: not the max rule
+                gamax = amax.amax()
+                ref = static_nvfp4_fake_quant(x, amax, gamax)
+                cast_in = (torch.randn(shape, generator=g) * 4).to(dtype)
+                cast_ref = fp4_cast(cast_in)
+                rec: dict[str, Any] = {"dtype": str(dtype).replace("torch.", ""), "shape": list(shape), "mag": mag,
+                                       "numel": x.numel()}  # fmt: skip
+                for kernel in ("exact", "modelopt"):
+                    if device == "cpu" and kernel == "modelopt":
+                        rec[kernel] = {"skipped": "modelopt's static kernels run on CUDA only (tests/numerics runs "
+                                       "them in triton's interpreter)"}  # fmt: skip
+                        continue
+                    previous = set_cuda_nvfp4_kernel(kernel)
+                    try:
+                        xd, ad, gd = x.to(device), amax.to(device), gamax.to(device)
+                        y = tensor_quant.static_blockwise_fp4_fake_quant(xd, ad, gd, True, 448.0, dtype, False).cpu()
+                        c = tensor_quant.fp4_cast_ste(cast_in.to(device)).cpu()
+                        rec[kernel] = {"static": _differ(y, ref), "cast": _differ(c, cast_ref)}
+                    except Exception as e:  # recorded; the run goes on
+                        rec[kernel] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                    finally:
+                        set_cuda_nvfp4_kernel(previous)
+                out.append(rec)
+    try:
+        out.append({"lsq": _lsq_parity(device)})
+    except Exception:  # recorded; the static rows stay
+        out.append({"lsq": {"error": traceback.format_exc()[-1500:]}})
+    return out
+
+
+def _lsq_parity(device: str) -> dict[str, Any]:
+    """One LSQ (dual) NVFP4 weight quantizer: forward and the gradients of input and both amax, CPU vs ``device``."""
+    import copy
+
+    import modelopt.torch.quantization as mtq
+
+    from nemo_fp4qat.numerics.cpu_backend import set_cuda_nvfp4_kernel
+
+    torch.manual_seed(0)
+    lin = torch.nn.Sequential(torch.nn.Linear(256, 128))
+    static = {"num_bits": (2, 1), "axis": None, "block_sizes": {-1: 16, "type": "static", "scale_bits": (4, 3)}}
+    cfg = {
+        "quant_cfg": [
+            {"quantizer_name": "*", "enable": False},
+            {"quantizer_name": "*weight_quantizer", "cfg": static},
+        ],
+        "algorithm": {"method": "lsq", "scale_algorithm": {"method": "max"}, "learnable_amax": ["pre", "post"]},
+    }
+    x = torch.randn(4, 256)
+    mtq.quantize(lin, cfg, forward_loop=lambda m: m(x))
+    res: dict[str, Any] = {}
+    grads = {}
+    for dev, kernel in (("cpu", "exact"), (device, "modelopt"), (device, "exact")):
+        if dev == "cpu" and kernel == "modelopt":
+            continue
+        key = f"{dev}_{kernel}"
+        m = copy.deepcopy(lin).to(dev)
+        xi = x.detach().clone().to(dev).requires_grad_(True)
+        previous = set_cuda_nvfp4_kernel(kernel)
+        try:
+            y = m(xi)
+            (y.float() ** 2).sum().backward()
+        except Exception as e:
+            res[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            continue
+        finally:
+            set_cuda_nvfp4_kernel(previous)
+        q = m[0].weight_quantizer
+        grads[key] = {"y": y.detach().cpu(), "x": xi.grad.cpu(), "post": q._amax_post.grad.cpu(),
+                      "pre": q._amax_pre.grad.cpu()}  # fmt: skip
+    base = grads.get("cpu_exact")
+    for key, gr in grads.items():
+        if key != "cpu_exact" and base is not None:
+            res[key] = {k: {"max_rel_diff": float((gr[k] - base[k]).abs().max() / base[k].abs().max().clamp_min(1e-30)),
+                            **_differ(gr[k], base[k])} for k in gr}  # fmt: skip
+    return res
 
 
 def _tiny_llama() -> tuple[Any, Any]:
@@ -220,6 +321,7 @@ def qad(device: str, small: bool, work: Path) -> dict[str, Any]:
             entry["ppl_cpu"] = _deployed_ppl(out, eval_ids, "cpu", window, windows)
         except Exception as e:  # recorded; the other export goes on
             entry["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+            entry["traceback"] = traceback.format_exc()[-2500:]
         res["exports"][kind] = entry
     return res
 
@@ -290,6 +392,7 @@ def step_overhead(device: str, small: bool) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu", action="store_true", help="run every section on the CPU at tiny sizes")
+    p.add_argument("--only", nargs="+", choices=["parity", "static", "qad", "step"], help="run these sections only")
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="where gpu_check.json goes (default: $OUT)")
     args = p.parse_args(argv)
     if args.cpu:
@@ -315,9 +418,12 @@ def main(argv: list[str] | None = None) -> int:
         results["triton"] = triton.__version__
     except ImportError:
         results["triton"] = None
-    sections = {"parity": lambda: parity(device, args.cpu), "qad": lambda: qad(device, args.cpu, out / "qad_work"),
+    sections = {"parity": lambda: parity(device, args.cpu), "static": lambda: static_parity(device, args.cpu),
+                "qad": lambda: qad(device, args.cpu, out / "qad_work"),
                 "step": lambda: step_overhead(device, args.cpu)}  # fmt: skip
     for name, fn in sections.items():
+        if args.only and name not in args.only:
+            continue
         t = time.time()
         try:
             results[name] = fn()

@@ -115,6 +115,29 @@ def render_check(d: dict[str, Any]) -> str:
         for fmt, a in agg.items():
             lines.append(f"| {fmt} | {a['numel']} | {total(a['modelopt'])} | {total(a['exact'])} |")
         lines.append("")
+    static = [r for r in d.get("static") or [] if "lsq" not in r and "numel" in r]
+    if static:
+
+        def cell(r: dict[str, Any], kernel: str, op: str) -> str:
+            k = r.get(kernel, {})
+            if op in k:
+                return str(k[op]["mismatches"])
+            return "skipped" if "skipped" in k else f"error: {k.get('error', '')[:60]}"
+
+        lines += ["Static per-block NVFP4 (modelopt >= 0.46's calibrated / learned weight scales) and LSQ's FP4 cast: "
+                  "elements that differ from this package's torch forwards on the CPU:", "",
+                  "| dtype | shape | magnitude | elements | static: exact path | static: modelopt's Triton kernel "
+                  "| cast: exact | cast: modelopt |", "|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for r in static:
+            lines.append(f"| {r['dtype']} | {'x'.join(map(str, r['shape']))} | {r['mag']:g} | {r['numel']} | "
+                         f"{cell(r, 'exact', 'static')} | {cell(r, 'modelopt', 'static')} | {cell(r, 'exact', 'cast')} "
+                         f"| {cell(r, 'modelopt', 'cast')} |")  # fmt: skip
+        lsq = next((r["lsq"] for r in d["static"] if "lsq" in r), {})
+        for key, res in lsq.items():
+            if isinstance(res, dict) and "y" in res:
+                rel = ", ".join(f"{k} {v['max_rel_diff']:.1e}" for k, v in res.items())
+                lines.append(f"\nLSQ (dual) quantizer, {key} against the CPU, largest relative difference: {rel}.")
+        lines.append("")
     q = d.get("qad")
     if q:
         lines += [f"QAD of {q['model']} on {q['device']} ({q['dtype']}, {q['steps']} steps, {q['train_s']:.0f} s); "
@@ -124,7 +147,8 @@ def render_check(d: dict[str, Any]) -> str:
                   "|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
         for kind, e in q["exports"].items():
             if "error" in e:
-                lines.append(f"| {kind} | error: {e['error'][:80]} | | | | | |")
+                first = next((ln.strip() for ln in e["error"].splitlines() if "ERROR" in ln), e["error"])
+                lines.append(f"| {kind} | error: {first[:220]} | | | | | |")
                 continue
             mo = e.get("fp4_codes_different_modelopt_kernel", "not run")
             lines.append(f"| {kind} | {e['validated']} | {e['fp4_codes_compared']} | {e['fp4_codes_different_exact']} "
@@ -143,6 +167,8 @@ def render_check(d: dict[str, Any]) -> str:
             mem = f"{r['peak_mem_gib']:.2f}" if "peak_mem_gib" in r else "n/a"
             lines.append(f"| {v} | {1e3 * r['step_s']:.1f} | {ratio:.2f} | {mem} |")
         lines.append("")
+    if d.get("runs"):
+        lines += [f"Runs: {d['runs']}", ""]
     if d.get("nemo", {}).get("skipped"):
         lines += [f"NeMo path: not run here ({d['nemo']['skipped']}).", ""]
     return "\n".join(lines)

@@ -136,6 +136,15 @@ class FP4QATBridgeCallback(_BridgeCallback):
             config = QATConfig()
         self.config = config if isinstance(config, QATConfig) else from_fields(QATConfig, config, "QATConfig")
         self.controller = QATController.from_config(self.config, forward_fn=bridge_gpt_forward)
+        if self.controller.static_weights:
+            cal = self.controller.calibration
+            raise ConfigError(
+                f"Calibrated or learned NVFP4 weight scales (weight_scale={cal.weight_scale!r}, act_scale="
+                f"{cal.act_scale!r}, learned_scales={self.config.learned_scales!r}) are not supported on the "
+                "Megatron-Bridge front end yet: learned scales would be created after Bridge wraps the model in its "
+                "DDP buffers, and per-block scales of tensor-parallel shards are untested. Use weight_scale='max' or "
+                "'search' here, or train through the Lightning front end."
+            )
         self.qad = DistillationConfig.resolve_spec(self.config.distillation)
         if self.qad is not None and isinstance(self.qad.teacher, (str, Path)):
             raise ConfigError(

@@ -136,7 +136,7 @@ def compare_weights(rep: ValidationReport, mod: str, algo: str, t: dict[str, tor
     mistake a neighbouring code for the trained one)."""
     eps = torch.finfo(ref.dtype).eps if ref.is_floating_point() else 0.0
     code_tol, value_tol = max(1e-5, eps), max(2e-6, eps)
-    ref = ref.to(torch.float64)
+    ref = ref.detach().to("cpu", torch.float64)  # checkpoint tensors load on the CPU; the model may be on a GPU
     num = rep.numeric
     try:
         got = dequantize_linear(t, algo)

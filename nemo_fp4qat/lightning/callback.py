@@ -33,6 +33,7 @@ from ..qat.config import QATConfig
 from ..qat.controller import QATController
 from ..qat.distillation import DistillationConfig, Distiller
 from ..qat.policy import is_quantizable_linear
+from ..qat.scale_levers import learned_scale_parameters
 from ..specs import from_fields
 from .patches import MethodPatches
 
@@ -73,6 +74,9 @@ class FP4QATCallback(pl.Callback):
         cuda_nvfp4_kernel: ``"exact"`` (NVFP4 on CUDA tensors rounds as the exporter does), ``"modelopt"``
             (modelopt's own Triton kernel), or ``None`` (default: ``NEMO_FP4QAT_CUDA_NVFP4``, else exact); set
             process-wide from setup to teardown.
+        learned_scales: learned NVFP4 weight block scales (modelopt's LSQ; ``"post"``, ``"dual"``,
+            ``"scale_only"`` or ``{"mode": ..., "lr": ...}``): the scales join the optimizer as their own
+            parameter group after calibration (one process).
 
     Raises:
         ConfigError: a bad or unknown field (a :class:`QATConfig` is built here, before any training), or an export
@@ -97,6 +101,7 @@ class FP4QATCallback(pl.Callback):
         export_dir: str | None = QATConfig.export_dir,
         export: Any = QATConfig.export,
         cuda_nvfp4_kernel: str = QATConfig.cuda_nvfp4_kernel,
+        learned_scales: Any = QATConfig.learned_scales,
     ) -> None:
         super().__init__()
         self.config = QATConfig(
@@ -109,6 +114,7 @@ class FP4QATCallback(pl.Callback):
             export_dir=export_dir,
             export=export,
             cuda_nvfp4_kernel=cuda_nvfp4_kernel,
+            learned_scales=learned_scales,
         )
         self.controller = QATController.from_config(self.config, forward_fn=forward_fn)
         self.export_dir = export_dir
@@ -217,6 +223,13 @@ class FP4QATCallback(pl.Callback):
             return
         if self.config.cuda_nvfp4_kernel is not None:
             self._kernel_before = set_cuda_nvfp4_kernel(self.config.cuda_nvfp4_kernel)
+        if self.controller.learned_scales is not None and trainer.world_size > 1:
+            raise ValueError(
+                f"learned_scales={self.controller.learned_scales.mode!r} on {trainer.world_size} processes: the "
+                "learned block scales are created at calibration, after Lightning wrapped the model for data "
+                "parallelism, so their gradients would not be averaged. Train them on one process, or through "
+                "Megatron-Bridge / NeMo, or set learned_scales=None."
+            )
         if self.controller.total_steps is None and trainer.max_steps and trainer.max_steps > 0:
             self.controller.total_steps = int(trainer.max_steps)
 
@@ -265,11 +278,36 @@ class FP4QATCallback(pl.Callback):
             source = self.calibration_data if self.calibration_data is not None else trainer.train_dataloader
             ctl.calib_batches = self._collect(source)
         ctl.calibrate(self.target_module(pl_module))
+        self._learned_scales_to_optimizer(trainer, pl_module)
         smoothed = f"; smoothing folded into {len(ctl.smoothed)} inputs first" if ctl.smoothed else ""
         rank_zero_info(
             f"nemo_fp4qat: calibrated on {ctl.calibration.num_samples} samples ({len(ctl.calib_batches)} batches)"
             + smoothed
         )
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # a resumed run's learned scales exist now (restored with the weights): their parameter group must be in
+        # the optimizer before Lightning loads the optimizer's state
+        self._learned_scales_to_optimizer(trainer, pl_module)
+
+    def _learned_scales_to_optimizer(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Give the learned block scales (modelopt's LSQ amax parameters) the first optimizer's last parameter group
+        (``learned_scales.lr``, no weight decay), once. On a resume they exist before ``configure_optimizers`` and may
+        sit in its groups: they are moved out, so the groups match the checkpoint's. A learning-rate scheduler built
+        before leaves that group at its own rate."""
+        cfg = self.controller.learned_scales
+        if cfg is None or not trainer.optimizers:
+            return
+        learned = learned_scale_parameters(self.target_module(pl_module))
+        if not learned:
+            return
+        opt = trainer.optimizers[0]
+        ids = {id(p) for p in learned}
+        if any(g.get("nemo_fp4qat_learned_scales") for g in opt.param_groups):
+            return
+        for g in opt.param_groups:
+            g["params"] = [p for p in g["params"] if id(p) not in ids]
+        opt.add_param_group({"params": learned, "lr": cfg.lr, "weight_decay": 0.0, "nemo_fp4qat_learned_scales": True})
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int

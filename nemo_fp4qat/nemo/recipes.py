@@ -22,6 +22,7 @@ def with_fp4_qat(
     export_dir: str | None = QATConfig.export_dir,
     export: Any = QATConfig.export,
     cuda_nvfp4_kernel: str | None = QATConfig.cuda_nvfp4_kernel,
+    learned_scales: Any = QATConfig.learned_scales,
     monitor: bool | dict = False,
     config: QATConfig | dict | None = None,
 ) -> Any:
@@ -34,7 +35,7 @@ def with_fp4_qat(
     Args:
         recipe: a NeMo 2 recipe (``llm.<model>.finetune_recipe(...)`` / ``pretrain_recipe``), changed in place.
         policy, schedule, calibration, distillation, share_fused_amax, log_every_n_steps, export_dir, export,
-            cuda_nvfp4_kernel: the :class:`QATConfig` fields.
+            cuda_nvfp4_kernel, learned_scales: the :class:`QATConfig` fields.
         monitor: ``True`` or a dict of ``QuantizationMonitor`` arguments to add the monitor.
         config: a whole :class:`QATConfig` (or a dict of its fields) instead of the field arguments.
 
@@ -56,7 +57,8 @@ def with_fp4_qat(
     if config is None:
         config = QATConfig(policy=policy, schedule=schedule, calibration=calibration, distillation=distillation,
                            share_fused_amax=share_fused_amax, log_every_n_steps=log_every_n_steps,
-                           export_dir=export_dir, export=export, cuda_nvfp4_kernel=cuda_nvfp4_kernel)  # fmt: skip
+                           export_dir=export_dir, export=export, cuda_nvfp4_kernel=cuda_nvfp4_kernel,
+                           learned_scales=learned_scales)  # fmt: skip
     elif not isinstance(config, QATConfig):
         config = from_fields(QATConfig, config, "QATConfig")
     # only what differs from the defaults goes into the recipe (what a reader of the job's config sees)

@@ -23,6 +23,10 @@ too, so the straight-through estimator stays modelopt's. ``set_cuda_nvfp4_kernel
 (``QATConfig(cuda_nvfp4_kernel="modelopt")``, or ``NEMO_FP4QAT_CUDA_NVFP4=modelopt``) goes back to
 modelopt's kernel; every other format on CUDA is always modelopt's.
 
+modelopt >= 0.46's static per-block NVFP4 (weights after ``mse`` / ``local_hessian`` / Four-Over-Six
+calibration) and LSQ's FP4 cast are Triton-only in modelopt; :mod:`.static_nvfp4` runs them in torch on CPU
+tensors, and on CUDA tensors unless the kernel choice is ``"modelopt"``.
+
 The hook is installed when ``nemo_fp4qat`` is imported; set ``NEMO_FP4QAT_CPU_BACKEND=0`` to opt
 out (CPU and CUDA routing both), or call :func:`uninstall_cpu_backend`.
 """
@@ -199,6 +203,9 @@ def install_cpu_backend() -> bool:
         _ORIGINAL_FP8 = tensor_quant.fp8_eager
         functools.update_wrapper(_cpu_fp8_eager, _ORIGINAL_FP8, updated=())
         tensor_quant.fp8_eager = _cpu_fp8_eager
+    from .static_nvfp4 import install_static_nvfp4
+
+    install_static_nvfp4()  # modelopt >= 0.46: static per-block NVFP4 and LSQ's FP4 cast
     try:
         from modelopt.torch.quantization.nn.modules import tensor_quantizer as tq
 
@@ -220,6 +227,9 @@ def uninstall_cpu_backend() -> None:
     if _ORIGINAL_FP8 is not None:
         tensor_quant.fp8_eager = _ORIGINAL_FP8
         _ORIGINAL_FP8 = None
+    from .static_nvfp4 import uninstall_static_nvfp4
+
+    uninstall_static_nvfp4()
     try:
         from modelopt.torch.quantization.nn.modules import tensor_quantizer as tq
 

@@ -20,6 +20,7 @@ import torch.nn as nn
 from ..specs import ConfigError, from_fields
 from .batches import collect_batches, default_forward, forward_batches
 from .policy import is_quantizer
+from .scale_levers import ACT_SCALES, WEIGHT_SCALES, check_choice, require_levers
 from .smoothing import SmoothingConfig
 
 __all__ = [
@@ -50,6 +51,12 @@ class CalibrationConfig:
             (0, 1); ``True`` is 0.75), weighting each weight's error by its input channel's mean square on the
             calibration batches (the layer output's error), applied by clipping the weights
             (``nemo_fp4qat.qat.block_scale_search``): exports and runtimes derive the same scales with nothing extra.
+        weight_scale: how NVFP4 weight block scales are set: ``"max"`` (from each block's amax, every forward),
+            ``"mse"``, ``"local_hessian"``, ``"four_over_six"`` (modelopt's calibrations; static block scales) or
+            ``"search"`` (this plugin's search, the same as ``block_scale_search=True``). See
+            :mod:`nemo_fp4qat.qat.scale_levers`; all but ``max`` and ``search`` need modelopt >= 0.46.
+        act_scale: how NVFP4 activation global scales are set: ``"max"`` or ``"act_headroom"`` (modelopt's
+            ``nvfp4_act_headroom``, modelopt >= 0.46).
     """
 
     num_samples: int = 128
@@ -59,9 +66,23 @@ class CalibrationConfig:
     sync_ranks: bool = True
     smoothing: Any = None
     block_scale_search: bool | float = False
+    weight_scale: str = "max"
+    act_scale: str = "max"
 
     def __post_init__(self) -> None:
         self.smoothing = SmoothingConfig.resolve_spec(self.smoothing)
+        check_choice(self.weight_scale, WEIGHT_SCALES, "calibration weight_scale")
+        check_choice(self.act_scale, ACT_SCALES, "calibration act_scale")
+        if self.weight_scale == "search" and self.block_scale_search is False:
+            self.block_scale_search = True
+        if self.block_scale_search is not False and self.weight_scale not in ("max", "search"):
+            raise ConfigError(
+                f"calibration block_scale_search and weight_scale={self.weight_scale!r} both set NVFP4 weight block "
+                "scales; keep one (block_scale_search=False, or weight_scale='search')."
+            )
+        for field, value in (("weight_scale", self.weight_scale), ("act_scale", self.act_scale)):
+            if value not in ("max", "search"):
+                require_levers(f"calibration {field}={value!r}")
         bss = self.block_scale_search
         if not isinstance(bss, (bool, int, float)) or (not isinstance(bss, bool) and not 0 < bss < 1):
             raise ValueError(

@@ -14,12 +14,35 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..numerics.cpu_backend import CUDA_NVFP4_KERNELS
+from ..specs import ConfigError
 from .calibration import CalibrationConfig
 from .distillation import DistillationConfig
 from .policy import LayerPolicy
+from .scale_levers import LearnedScalesConfig, require_levers, uses_static_weights
 from .schedule import PrecisionSchedule
 
-__all__ = ["QATConfig"]
+__all__ = ["QATConfig", "check_levers"]
+
+
+def check_levers(
+    calibration: CalibrationConfig, learned: LearnedScalesConfig | None, schedule: PrecisionSchedule
+) -> None:
+    """Refuse combinations of the scale levers this plugin cannot run, naming the fix."""
+    if learned is not None:
+        require_levers(f"learned_scales={learned.mode!r}")
+        if calibration.act_scale != "max":
+            raise ConfigError(
+                f"learned_scales={learned.mode!r} with calibration act_scale={calibration.act_scale!r}: modelopt "
+                "calibrates LSQ and activation headroom as two algorithms that each recalibrate the weights; use "
+                "one of them (act_scale='max', or learned_scales=None)."
+            )
+    if uses_static_weights(calibration.weight_scale, calibration.act_scale, learned) and len(schedule.stages) > 1:
+        raise ConfigError(
+            f"Static or learned NVFP4 weight scales (weight_scale={calibration.weight_scale!r}, act_scale="
+            f"{calibration.act_scale!r}, learned_scales={None if learned is None else learned.mode!r}) are set once "
+            "by calibration and run with the 'direct' schedule; a schedule that switches formats mid-run would "
+            "drop them. Use schedule='direct', or the 'max' / 'search' weight scales."
+        )
 
 
 @dataclass
@@ -43,6 +66,10 @@ class QATConfig:
             rounds as modelopt's exporter does, so the trained weights are the deployed ones), ``"modelopt"``
             (modelopt's own Triton kernel), or ``None``: ``NEMO_FP4QAT_CUDA_NVFP4``, else ``"exact"``. CPU
             tensors always use the exact CPU kernels.
+        learned_scales: learned NVFP4 weight block scales (modelopt's LSQ): ``None`` (off), ``"post"``,
+            ``"dual"``, ``"scale_only"`` or a dict / :class:`~nemo_fp4qat.qat.scale_levers.LearnedScalesConfig`
+            with its learning rate (``{"mode": "post", "lr": 1e-4}``); needs modelopt >= 0.46 and the
+            ``direct`` schedule.
 
     Raises:
         ConfigError: any field the plugin cannot use (resolved once here: unknown presets, YAML files, fields,
@@ -62,11 +89,15 @@ class QATConfig:
     export_dir: str | None = None
     export: Any = None
     cuda_nvfp4_kernel: str | None = None
+    learned_scales: Any = None
 
     def __post_init__(self) -> None:
         policy = LayerPolicy.resolve_spec(self.policy)
-        PrecisionSchedule.resolve_spec(self.schedule).validate_for(policy.target_format)
-        CalibrationConfig.resolve_spec(self.calibration)
+        schedule = PrecisionSchedule.resolve_spec(self.schedule)
+        schedule.validate_for(policy.target_format)
+        calibration = CalibrationConfig.resolve_spec(self.calibration)
+        learned = LearnedScalesConfig.resolve_spec(self.learned_scales)
+        check_levers(calibration, learned, schedule)
         DistillationConfig.resolve_spec(self.distillation)
         if self.cuda_nvfp4_kernel is not None and self.cuda_nvfp4_kernel not in CUDA_NVFP4_KERNELS:
             raise ValueError(

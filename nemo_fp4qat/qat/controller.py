@@ -19,10 +19,19 @@ import torch.nn as nn
 from ..numerics.formats import QuantFormat, get_format
 from .block_scale_search import DEFAULT_MIN_RATIO, BlockClip, clip_nvfp4_weights, input_second_moments
 from .calibration import CalibrationConfig, default_forward, run_calibration, sync_amax_across_ranks
-from .config import QATConfig
+from .config import QATConfig, check_levers
 from .fused_siblings import find_fused_siblings, share_fused_amax
 from .modelopt_compat import apply_quant_cfg, build_quant_cfg, calibration_algorithm
 from .policy import POLICY_PRESETS, LayerPolicy, PolicyTable, element_bits, is_quantizer
+from .scale_levers import (
+    LearnedScalesConfig,
+    learned_scale_parameters,
+    lever_algorithm,
+    make_weights_static,
+    promote_static,
+    restore_lsq,
+    uses_static_weights,
+)
 from .schedule import PrecisionSchedule, effective_format
 from .smoothing import SmoothingSite, smooth_model
 from .w4a8_scaling import scale_w4a8_weight_amax
@@ -72,12 +81,15 @@ class QATController:
         calibration: Any = QATConfig.calibration,
         share_fused_amax: bool = QATConfig.share_fused_amax,
         forward_fn: Callable[[nn.Module, Any], Any] | None = None,
+        learned_scales: Any = QATConfig.learned_scales,
     ) -> None:
         self.policy = LayerPolicy.resolve_spec(policy)
         self.schedule = PrecisionSchedule.resolve_spec(schedule)
         self.schedule.validate_for(self.policy.target_format)
         _check_offset_groups(self.schedule.group_offsets, self.policy)
         self.calibration = CalibrationConfig.resolve_spec(calibration)
+        self.learned_scales = LearnedScalesConfig.resolve_spec(learned_scales)
+        check_levers(self.calibration, self.learned_scales, self.schedule)
         self.share_fused_amax = share_fused_amax
         self.forward_fn = forward_fn or default_forward
         self.table: PolicyTable | None = None
@@ -108,6 +120,7 @@ class QATController:
             calibration=config.calibration,
             share_fused_amax=config.share_fused_amax,
             forward_fn=forward_fn,
+            learned_scales=config.learned_scales,
         )
 
     # --- set-up -------------------------------------------------------------------------------
@@ -137,9 +150,21 @@ class QATController:
 
         table = self.resolve(model)
         self.current = self.formats_at(0)
-        cfg = build_quant_cfg(self._assignment(self.current), algorithm=None, extra=self.policy.kv_cache_entries())
-        mtq.quantize(model, cfg, forward_loop=None)
+        mtq.quantize(model, self._quant_cfg(), forward_loop=None)
         return table
+
+    @property
+    def static_weights(self) -> bool:
+        """NVFP4 weight quantizers hold calibrated (static or learned) block scales (:mod:`.scale_levers`)."""
+        cal = self.calibration
+        return uses_static_weights(cal.weight_scale, cal.act_scale, self.learned_scales)
+
+    def _quant_cfg(self) -> dict[str, Any]:
+        """The modelopt config of the formats now (``self.current``), static NVFP4 weights where the levers ask."""
+        cfg = build_quant_cfg(self._assignment(self.current), algorithm=None, extra=self.policy.kv_cache_entries())
+        if self.static_weights:
+            cfg["quant_cfg"] = make_weights_static(cfg["quant_cfg"], self.calibration.weight_scale == "four_over_six")
+        return cfg
 
     def sync_to_checkpoint(self, root: nn.Module, state: dict[str, Any], model_state_dict: dict[str, Any]) -> None:
         """Make already-inserted quantizers match a checkpoint before its tensors are loaded.
@@ -149,7 +174,7 @@ class QATController:
         ``load_state_dict`` of ``model_state_dict`` (keys relative to ``root``) then succeeds.
         """
         self.load_state_dict(state)
-        cfg = build_quant_cfg(self._assignment(self.current), algorithm=None, extra=self.policy.kv_cache_entries())
+        cfg = self._quant_cfg()
         modules = dict(root.named_modules())
         # the quantized module may be a submodule of root: find the prefix of the policy's names
         first = next(iter(self.current), None)
@@ -167,6 +192,12 @@ class QATController:
             q = modules.get(mod_name)
             if q is None or not is_quantizer(q) or not attr.startswith("_"):
                 continue
+            if attr in ("_amax_post", "_amax_pre") and self.learned_scales is not None:
+                if not getattr(q, "_lsq", False):  # LSQ turns the calibrated amax into parameters
+                    restore_lsq(q, value, self.learned_scales)
+                continue
+            if attr == "_global_amax":
+                promote_static(q)
             if not isinstance(getattr(q, attr, None), torch.Tensor):
                 q.register_buffer(attr, torch.empty_like(value))
         self.attach(modules[prefix.rstrip(".")] if prefix else root)
@@ -178,6 +209,9 @@ class QATController:
     # --- calibration --------------------------------------------------------------------------
     def _algorithm(self) -> Any:
         algo = self.calibration.algorithm
+        levers = lever_algorithm(self.calibration.weight_scale, self.calibration.act_scale, self.learned_scales)
+        if levers is not None and algo == "auto":
+            return levers
         if algo == "auto":
             fmts = [get_format(f) for pair in self.current.values() for f in pair]
             # the KV-cache quantizers need their amax even while the linears are still in BF16
@@ -202,6 +236,21 @@ class QATController:
         self._after_calibration(model)
         if first:  # once per layer and format: a clipped weight searched again would be clipped further
             self._search_block_scales(model, None)
+        if first and self.learned_scales is not None:
+            learned = learned_scale_parameters(model)
+            if not learned:
+                raise ValueError(
+                    "learned_scales is set but no NVFP4 weight quantizer became learnable: the policy quantizes no "
+                    "weight in NVFP4. Use a policy with NVFP4 weights, or learned_scales=None."
+                )
+            if self.learned_scales.mode == "scale_only":
+                keep = {id(p) for p in learned}
+                for p in model.parameters():
+                    if id(p) not in keep:
+                        p.requires_grad_(False)
+            log.info("nemo_fp4qat: %d NVFP4 weight quantizers learn their block scales (%s, lr %g)",
+                     len(learned) // len(self.learned_scales.learnable_amax), self.learned_scales.mode,
+                     self.learned_scales.lr)  # fmt: skip
         self.calibrated = True
 
     def _search_block_scales(self, model: nn.Module, modules: set[str] | None) -> None:

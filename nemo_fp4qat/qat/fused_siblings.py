@@ -35,7 +35,8 @@ def find_fused_siblings(model: nn.Module) -> list[list[str]]:
 
 
 def share_fused_amax(model: nn.Module, groups: list[list[str]]) -> int:
-    """Set each sibling group's weight and input amax to the group max. Returns groups changed."""
+    """Set each sibling group's weight and input amax (a static NVFP4 weight quantizer's per-tensor
+    ``_global_amax``) to the group max. Returns groups changed."""
     modules = dict(model.named_modules())
     changed = 0
     for group in groups:
@@ -43,7 +44,10 @@ def share_fused_amax(model: nn.Module, groups: list[list[str]]) -> int:
             qs = [getattr(modules[m], qname, None) for m in group]
             if any(q is None or not q.is_enabled for q in qs):
                 continue
-            amaxes = [getattr(q, "_amax", None) for q in qs]
+            # static NVFP4 weight quantizers (calibrated or learned block scales): their per-tensor amax
+            globals_ = [getattr(q, "_global_amax", None) for q in qs]
+            static = all(isinstance(a, torch.Tensor) for a in globals_)
+            amaxes = globals_ if static else [getattr(q, "_amax", None) for q in qs]
             if any(a is None or a.numel() != 1 for a in amaxes):
                 continue  # per-channel / dynamic formats carry no shared per-tensor scale
             shared = torch.stack([a.detach().reshape(()) for a in amaxes]).amax()

@@ -48,3 +48,14 @@ def test_llama3_8b_nvfp4_qad_example_builds_from_bridges_recipe(tmp_path):
     assert "start from: /ckpts/llama3_8b" in out
     assert "policy='default'" in out and "distillation='qad'" in out
     assert "'hf_model': 'meta-llama/Meta-Llama-3-8B'" in out
+
+
+def test_calibrated_and_learned_weight_scales_are_refused_on_bridge_by_name():
+    from nemo_fp4qat import QATConfig
+    from nemo_fp4qat.bridge import FP4QATBridgeCallback
+    from nemo_fp4qat.specs import ConfigError
+
+    for cfg in (QATConfig(learned_scales="post"), QATConfig(calibration={"weight_scale": "mse"})):
+        with pytest.raises(ConfigError, match="not supported on the Megatron-Bridge front end yet.*weight_scale='max'"):
+            FP4QATBridgeCallback(cfg)
+    FP4QATBridgeCallback(QATConfig(calibration={"weight_scale": "search"}))  # the plugin's own search stays

@@ -1,0 +1,86 @@
+"""The validator's comparisons are as tight as the formats allow: the smallest change that must be an error is
+reported. One E4M3 step of one FP8 weight of a bfloat16 model; one unit in the last place of one norm or embedding
+element in the checkpoint's dtype. The export's manifest is removed after the change, so only the numeric check can
+find it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from nemo_fp4qat.export import ExportConfig, export_checkpoint, validate_export
+from nemo_fp4qat.export.atomic import MANIFEST_NAME
+
+from tiny_models import calibrated_tiny_llama
+
+
+def _tamper(out, name, change):
+    f = next(p for p in out.glob("*.safetensors") if name in load_file(str(p)))
+    tensors = load_file(str(f))
+    tensors[name] = change(tensors[name].clone())
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    (out / MANIFEST_NAME).unlink()
+
+
+def _errors(out, model) -> list[str]:
+    rep = validate_export(out, model, require_manifest=False)
+    return [str(p) for p in rep.errors]
+
+
+@pytest.fixture(scope="module")
+def fp8_bf16(tmp_path_factory):
+    model = calibrated_tiny_llama("fp8", dtype=torch.bfloat16)
+    out = export_checkpoint(model, tmp_path_factory.mktemp("fp8") / "hf", ExportConfig(kind="hf"))
+    return model, out
+
+
+def test_the_untouched_export_validates(fp8_bf16):
+    model, out = fp8_bf16
+    assert _errors(out, model) == []
+
+
+def test_one_e4m3_step_of_one_fp8_weight_is_an_error(fp8_bf16, tmp_path):
+    import shutil
+
+    model, out = fp8_bf16
+    copy = tmp_path / "hf"
+    shutil.copytree(out, copy)
+    name = "model.layers.1.mlp.up_proj.weight"
+
+    def one_step(w):
+        bits = w.view(torch.uint8)
+        flat = bits.reshape(-1)
+        k = int(torch.nonzero((flat & 0x7F) < 0x70)[0])  # a finite code with a next one up
+        flat[k] += 1
+        return flat.view(torch.float8_e4m3fn).reshape(w.shape)
+
+    _tamper(copy, name, one_step)
+    errors = _errors(copy, model)
+    assert any(e.startswith(name) for e in errors), errors
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.input_layernorm.weight", "model.embed_tokens.weight"])
+def test_one_ulp_of_an_unquantized_tensor_is_an_error(fp8_bf16, tmp_path, name):
+    import shutil
+
+    model, out = fp8_bf16
+    copy = tmp_path / "hf"
+    shutil.copytree(out, copy)
+
+    def one_ulp(t):
+        flat = t.reshape(-1)
+        flat[3] = torch.nextafter(flat[3:4].float(), torch.tensor([float("inf")])).to(t.dtype) \
+            if t.dtype == torch.float32 else _next_up(flat[3:4])  # fmt: skip
+        return t
+
+    _tamper(copy, name, one_ulp)
+    errors = _errors(copy, model)
+    assert any(e.startswith(name) and "differs from the trained model's tensor" in e for e in errors), errors
+
+
+def _next_up(x: torch.Tensor) -> torch.Tensor:
+    """The next representable value above ``x`` in its own 16-bit dtype (bit pattern + 1 for a positive value)."""
+    bits = x.view(torch.int16).clone()
+    bits += torch.where(x > 0, 1, -1).to(torch.int16) if bool(x != 0) else 1
+    return bits.view(x.dtype)
