@@ -262,6 +262,12 @@ def _save_tokenizer(tokenizer: Any, out: Path, kind: str, nemo_context: str | Pa
         inner.save_pretrained(str(out if kind == "hf" else out / "tokenizer"))
 
 
+def _static_nvfp4(q: Any) -> bool:
+    """An enabled NVFP4 weight quantizer with static (calibrated or learned) block scales."""
+    bs = getattr(q, "block_sizes", None) or {}
+    return bool(getattr(q, "is_enabled", False)) and bs.get("type") == "static" and bs.get("scale_bits") == (4, 3)
+
+
 def _refuse_static_fused_qkv(model: nn.Module) -> None:
     """modelopt's TensorRT-LLM checkpoint writer fuses q/k/v and derives the fused weight's NVFP4 block scales from
     the weights, not from calibrated (static or learned) block scales, so the checkpoint would not hold what was
@@ -269,7 +275,7 @@ def _refuse_static_fused_qkv(model: nn.Module) -> None:
     static = sorted(
         name for name, m in model.named_modules()
         if name.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "linear_qkv")
-        and getattr(getattr(m, "weight_quantizer", None), "_is_static_block_scale_quantizer", False)
+        and _static_nvfp4(getattr(m, "weight_quantizer", None))
     )  # fmt: skip
     if static:
         raise ExportRefused(
