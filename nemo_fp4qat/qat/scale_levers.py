@@ -194,9 +194,9 @@ def fold_learned_scales(model: nn.Module) -> int:
     """Turn every LSQ weight quantizer of ``model`` into a plain static NVFP4 quantizer with the same forward.
 
     The layer's weight becomes what the LSQ quantizer made of it (``Q(w / s_pre) * s_post``) and the quantizer's
-    per-block amax ``amax_post``: static fake quant of that weight returns it unchanged, so the model computes
-    what it trained, and modelopt's exporters write the trained codes with the learned block scales. Returns the
-    number of quantizers folded (0: nothing learned).
+    per-block amax ``6 * s_post`` (the learned scale as quantized): static fake quant of that weight returns it
+    unchanged, so the model computes what it trained, and modelopt's exporters write the trained codes with the
+    learned block scales. Returns the number of quantizers folded (0: nothing learned).
     """
     folded = 0
     for name, module in model.named_modules():
@@ -205,7 +205,13 @@ def fold_learned_scales(model: nn.Module) -> int:
             continue
         weight = module.weight
         trained = q(weight)
-        post = q.amax_post.detach().float().clone()
+        # the block amax whose scale is exactly the learned one, already on the E4M3 grid (clamped, rounded), so the
+        # static forward and the exporter's own arithmetic both land on it: a raw learned amax (which may have moved
+        # below the smallest scale, or next to an E4M3 rounding boundary) would not
+        bound = float(getattr(q, "_quant_max_bound", 6.0))
+        post = (q._block_scale_from_amax(q.amax_post.detach(), q._quantize_scales).float() * bound).reshape(
+            q.amax_post.shape
+        )
         for attr in ("_amax_post", "_amax_pre"):
             if attr in q._parameters:
                 del q._parameters[attr]

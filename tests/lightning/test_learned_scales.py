@@ -27,9 +27,9 @@ def _trainer(callbacks, steps, tmp_path=None):
                       enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks))  # fmt: skip
 
 
-def _callback(mode: str, weight_scale: str = "mse", lr: float = 1e-3) -> FP4QATCallback:
+def _callback(mode: str | None, weight_scale: str = "mse", lr: float = 1e-3) -> FP4QATCallback:
     return FP4QATCallback(policy="fp_embeddings", calibration={"num_samples": 16, "weight_scale": weight_scale},
-                          distillation="qad", learned_scales={"mode": mode, "lr": lr})  # fmt: skip
+                          distillation="qad", learned_scales=mode and {"mode": mode, "lr": lr})  # fmt: skip
 
 
 @pytest.mark.parametrize("mode", ["post", "dual", "scale_only"])
@@ -65,6 +65,21 @@ def test_learned_scales_train_and_export_as_trained(tmp_path, mode):
         assert torch.equal(model(x).logits, trained)
 
 
+def test_learned_scales_driven_below_the_smallest_scale_still_export_as_trained(tmp_path):
+    """At a large amax learning rate some learned amax go negative (LSQ clamps the scale to E4M3's smallest) and
+    others land next to an E4M3 boundary: the fold stores the scale as quantized, so the export holds the codes
+    and scales that trained."""
+    torch.manual_seed(0)
+    model = tiny_llama(hidden=64)
+    cb = FP4QATCallback(policy="fp_embeddings", calibration={"num_samples": 16, "smoothing": {"sites": ["mlp_in"]}},
+                        distillation="qad", learned_scales={"mode": "post", "lr": 3e-2})  # fmt: skip
+    _trainer([cb], 10).fit(LitLM(model), loader(n=64))
+    assert min(float(p.min()) for p in learned_scale_parameters(model)) < 0
+    out = export_checkpoint(model, tmp_path / "hf", {"kind": "hf"})
+    numeric = json.loads((out / "validation.json").read_text())["numeric"]
+    assert numeric["fp4_codes_different"] == 0 and numeric["layers_compared"] == 14
+
+
 def test_trtllm_checkpoint_of_calibrated_attention_scales_is_refused(tmp_path):
     from nemo_fp4qat.export import ExportRefused
 
@@ -75,25 +90,30 @@ def test_trtllm_checkpoint_of_calibrated_attention_scales_is_refused(tmp_path):
     assert not (tmp_path / "trt").exists()
 
 
-def test_resume_with_learned_scales_is_exact(tmp_path):
-    """A run killed at step 4 and resumed equals the uninterrupted run: losses, weights, learned amax, and the
-    amax parameters' optimizer state (one batch per epoch, as in test_qat_callback's resume tests)."""
+@pytest.mark.parametrize(("mode", "weight_scale"), [("dual", "mse"), (None, "four_over_six")])
+def test_resume_with_learned_or_static_scales_is_exact(tmp_path, mode, weight_scale):
+    """A run killed at step 4 and resumed equals the uninterrupted run: losses, weights, static and learned amax,
+    and the amax parameters' optimizer state (one batch per epoch, as in test_qat_callback's resume tests)."""
     torch.manual_seed(0)
     full = LitLM(tiny_llama(seed=1, hidden=64))
     ck = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
-    t_full = _trainer([_callback("dual"), ck], 8, tmp_path)
+    t_full = _trainer([_callback(mode, weight_scale), ck], 8, tmp_path)
     t_full.fit(full, loader(n=8, batch_size=8))
     ckpt = sorted((tmp_path / "ckpt").glob("*step=4.ckpt"))[0]
     torch.manual_seed(123)
     resumed = LitLM(tiny_llama(seed=1, hidden=64))
-    t_res = _trainer([_callback("dual")], 8, tmp_path)
+    t_res = _trainer([_callback(mode, weight_scale)], 8, tmp_path)
     t_res.fit(resumed, loader(n=8, batch_size=8), ckpt_path=str(ckpt))
     assert resumed.losses == pytest.approx(full.losses[4:], rel=0, abs=0)
     a, b = full.state_dict(), resumed.state_dict()
-    assert set(a) == set(b) and any(k.endswith("_amax_post") for k in a)
+    assert set(a) == set(b) and any(k.endswith("_amax_post" if mode else "_global_amax") for k in a)
     for k in a:
         assert torch.equal(a[k], b[k]), k
+    q = resumed.net.model.layers[0].mlp.up_proj.weight_quantizer
+    assert type(q).__name__ == "StaticBlockScaleQuantizer" and q.block_sizes.get("four_over_six", False) == (
+        weight_scale == "four_over_six")  # fmt: skip
     opt_a, opt_b = t_full.optimizers[0], t_res.optimizers[0]
-    assert len(opt_b.param_groups) == 2
-    for pa, pb in zip(opt_a.param_groups[1]["params"], opt_b.param_groups[1]["params"], strict=True):
-        assert torch.equal(opt_a.state[pa]["exp_avg"], opt_b.state[pb]["exp_avg"])
+    assert len(opt_b.param_groups) == (2 if mode else 1)
+    for ga, gb in zip(opt_a.param_groups, opt_b.param_groups, strict=True):
+        for pa, pb in zip(ga["params"], gb["params"], strict=True):
+            assert torch.equal(opt_a.state[pa]["exp_avg"], opt_b.state[pb]["exp_avg"])
