@@ -6,11 +6,12 @@ parameter). Its two forward ops for that, ``static_blockwise_fp4_fake_quant`` an
 (``modelopt.torch.quantization.tensor_quant``), run only as Triton kernels on CUDA: on a CPU they raise.
 This module computes what those kernels compute, element for element, in torch:
 
-* the block scale ``amax / 6``, FP8 (E4M3) quantized against the per-tensor scale ``global_amax / 6`` (with
-  ``fp8_max / 448`` for Four-Over-Six's 256 normalization) in the exporter's arithmetic
-  (:func:`~nemo_fp4qat.numerics.fake_quant.fake_quant_fp8`, which modelopt's ``scaled_e4m3_impl`` reaches on a CPU
-  once the backend is installed; on CUDA modelopt's extension multiplies by ``448 / amax`` instead, and block scales
-  next to an E4M3 boundary land one step away: measured on the H200, ``benchmarks/results/gpu_check.md``);
+* the block scale ``amax / 6`` as E4M3 in units of the per-tensor scale ``global_amax / (6 * fp8_max)`` (448; 256
+  for Four-Over-Six), in the order modelopt's exporter computes the checkpoint's two scales
+  (:func:`static_block_scales`: what a runtime multiplies, to the last bit; modelopt's kernel goes through its FP8
+  fake quant, and on CUDA through its extension, which lands an ulp or an E4M3 step away on some blocks: measured
+  on the H200, ``benchmarks/results/gpu_check.md``); LSQ's block scales are computed the same way
+  (:func:`lsq_block_scale`);
 * each element ``|x| / scale`` rounded to the E2M1 grid with the kernels' decision boundaries (ties to the
   even code: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4; above 5 -> 6, NaN -> 6),
   times the scale, signed by ``x >= 0``; a zero block scale gives a zero block.
@@ -35,6 +36,7 @@ __all__ = [
     "E4M3_MAX",
     "fp4_cast",
     "install_static_nvfp4",
+    "lsq_block_scale",
     "static_block_scales",
     "static_nvfp4_fake_quant",
     "static_nvfp4_installed",
@@ -75,32 +77,49 @@ def _div(a: torch.Tensor, b: float) -> torch.Tensor:
     return a / torch.full((), b, dtype=a.dtype, device=a.device)
 
 
-def _fp8_scale(scale: torch.Tensor, scale_amax: torch.Tensor) -> torch.Tensor:
-    """``scale`` FP8 (E4M3) fake-quantized with the per-tensor amax ``scale_amax``, dividing by the exported FP8 scale
-    ``scale_amax / 448`` (:func:`~nemo_fp4qat.numerics.fake_quant.fake_quant_fp8`'s arithmetic) on every device."""
-    from .fake_quant import _FP8_AMAX_EPS
-
-    a = scale_amax.to(device=scale.device, dtype=torch.float32)
-    s = _div(torch.where(a <= _FP8_AMAX_EPS, torch.ones_like(a), a), E4M3_MAX)
-    q = (scale.float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q.float() * s
-
-
 def static_block_scales(
     amax: torch.Tensor,
     global_amax: torch.Tensor | None = None,
     quantize_block_scales: bool = True,
     fp8_max_for_normalization: float = E4M3_MAX,
 ) -> torch.Tensor:
-    """Per-block scales from per-block amax, as modelopt's ``compute_fp4_scales`` (float32, amax's shape)."""
+    """Per-block scales from per-block amax (float32, amax's shape), as the exported checkpoint holds them.
+
+    modelopt's exporter writes ``weight_scale_2 = global_amax / (6 * fp8_max)`` and the E4M3 block scale
+    ``clamp((amax / 6) * fp8_max / (global_amax / 6), 2**-9, 448)``; a runtime multiplies the two. Computed in that
+    order here, so training uses the scale that deploys to the last bit (modelopt's own kernel scales through its
+    FP8 fake quant, an ulp away on some blocks, which NVFP4 activations downstream amplify). A zero block amax gives
+    a zero scale (a zero block), as in modelopt's kernel.
+    """
     scale = _div(amax.float(), _E2M1_MAX)
     if not quantize_block_scales:
         return scale
     if global_amax is None:
         global_amax = amax.float().abs().amax()
-    g = global_amax.float().to(scale.device)
-    scale_amax = _div(g * torch.full((), E4M3_MAX / fp8_max_for_normalization, device=g.device), _E2M1_MAX)
-    return _fp8_scale(scale, scale_amax)
+    g = global_amax.float().to(scale.device).reshape(())
+    m = torch.full((), fp8_max_for_normalization, dtype=torch.float32, device=scale.device)
+    ws2 = g / (m * _E2M1_MAX)
+    code = (scale * m / _div(g, _E2M1_MAX)).clamp(2.0**-9, E4M3_MAX).to(torch.float8_e4m3fn)
+    return torch.where(scale == 0, torch.zeros_like(scale), code.float() * ws2)
+
+
+def lsq_block_scale(quantizer: Any, amax: torch.Tensor, quantize: bool) -> torch.Tensor:
+    """LSQ's block scale from a learnable amax in :func:`static_block_scales`' arithmetic, with the gradient
+    modelopt's ``StaticBlockScaleQuantizer._block_scale_from_amax`` gives it (a straight-through FP8 cast; zero where
+    the scale is clamped to the smallest or is above the per-tensor scale). Stands in for that method while the
+    backend is installed, so LSQ trains the scale the export holds."""
+    if not quantize:
+        return _ORIGINAL["lsq_scale"](quantizer, amax, quantize)
+    from modelopt.torch.quantization.utils.numeric_utils import fp8_max_for_normalization
+
+    m = fp8_max_for_normalization(quantizer)
+    g = quantizer.global_amax.float().reshape(())
+    per_tensor = _div(g, _E2M1_MAX)
+    s = amax.float() / _E2M1_MAX
+    live = (s.detach() >= 2.0**-9 * per_tensor / E4M3_MAX) & (s.detach() <= per_tensor)
+    q = static_block_scales(amax.detach().float().clamp_min(0.0), g, True, m)
+    q = torch.where(q == 0, (2.0**-9 * g) / (torch.full((), m, device=g.device) * _E2M1_MAX), q)  # clamped below
+    return s * live + (q - s * live).detach()
 
 
 def static_nvfp4_fake_quant(
@@ -186,10 +205,14 @@ def install_static_nvfp4() -> bool:
     if static is None or cast is None:
         return False
     if "static" not in _ORIGINAL:
+        from modelopt.torch.quantization.nn.modules.tensor_quantizer import StaticBlockScaleQuantizer
+
         _ORIGINAL["static"] = static.forward
         _ORIGINAL["cast"] = cast.forward
+        _ORIGINAL["lsq_scale"] = StaticBlockScaleQuantizer._block_scale_from_amax
         static.forward = staticmethod(_static_forward)
         cast.forward = staticmethod(_cast_forward)
+        StaticBlockScaleQuantizer._block_scale_from_amax = lsq_block_scale
     return True
 
 
@@ -198,8 +221,11 @@ def uninstall_static_nvfp4() -> None:
     from modelopt.torch.quantization import tensor_quant
 
     if "static" in _ORIGINAL:
+        from modelopt.torch.quantization.nn.modules.tensor_quantizer import StaticBlockScaleQuantizer
+
         tensor_quant.StaticBlockwiseFP4FakeQuantFunction.forward = staticmethod(_ORIGINAL.pop("static"))
         tensor_quant.FP4CastSTEFunction.forward = staticmethod(_ORIGINAL.pop("cast"))
+        StaticBlockScaleQuantizer._block_scale_from_amax = _ORIGINAL.pop("lsq_scale")
 
 
 def static_nvfp4_installed() -> bool:
