@@ -124,26 +124,33 @@ def render(d: dict) -> str:
         "max-calibrated PTQ. `recipe` = gate/up smoothing + the plugin's block scale search; the modelopt rows "
         "keep the smoothing.",
         "",
-        "| seed | row | perplexity | gap to BF16 | starts from | learned scales | recovery (own PTQ) "
-        "| recovery (max PTQ) | export |",
-        "|---:|---|---:|---:|---|---|---:|---:|---|",
+        "| seed | row | perplexity (served) | trained, in memory | gap to BF16 | starts from | learned scales "
+        "| recovery (own PTQ) | recovery (max PTQ) | export |",
+        "|---:|---|---:|---:|---:|---|---|---:|---:|---|",
     ]
     gaps: dict[str, list[float]] = {}
+    notes: list[str] = []
     for seed, run in sorted(d["seeds"].items()):
-        lines.append(f"| {seed} | BF16 fine-tune | {run['bf16_finetuned']:.3f} | | | | | | |")
+        lines.append(f"| {seed} | BF16 fine-tune | {run['bf16_finetuned']:.3f} | | | | | | | |")
         for name in [*PTQ_ROWS, *QAD_ROWS]:
             r = run["rows"].get(name)
             if r is None:
                 continue
             gaps.setdefault(name, []).append(r["gap"])
             if name in PTQ_ROWS:
-                lines.append(f"| {seed} | {name} | {r['ppl']:.3f} | {100 * r['gap']:.1f}% | | | | | |")
+                lines.append(f"| {seed} | {name} | {r['ppl']:.3f} | | {100 * r['gap']:.1f}% | | | | | |")
             else:
                 ls = r["learned_scales"]["mode"] if r["learned_scales"] else "off"
+                mark = ""
+                if r.get("measured_at"):
+                    notes.append(r["measured_at"])
+                    mark = f" [{len(notes)}]"
                 lines.append(
-                    f"| {seed} | {name} | {r['qad']:.3f} | {100 * r['gap']:.1f}% | {r['start']} | {ls} | "
-                    f"{r['recovery_vs_own_ptq']:.3f} | {r['recovery_vs_max_ptq']:.3f} | {r['export']} |"
+                    f"| {seed} | {name}{mark} | {r['qad']:.3f} | {r['qad_in_memory']:.3f} | {100 * r['gap']:.1f}% | "
+                    f"{r['start']} | {ls} | {r['recovery_vs_own_ptq']:.3f} | {r['recovery_vs_max_ptq']:.3f} | "
+                    f"{r['export']} |"
                 )
+    lines += [""] + [f"[{i}] measured at {text}." for i, text in enumerate(notes, 1)] if notes else []
     n = len(d["seeds"])
     if n > 1:
         lines += ["", "| row | seeds | gap to BF16, mean +- sd |", "|---|---:|---:|"]
