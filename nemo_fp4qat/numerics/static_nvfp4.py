@@ -39,7 +39,6 @@ __all__ = [
     "lsq_block_scale",
     "static_block_scales",
     "static_nvfp4_fake_quant",
-    "static_nvfp4_installed",
     "uninstall_static_nvfp4",
 ]
 
@@ -226,10 +225,3 @@ def uninstall_static_nvfp4() -> None:
         tensor_quant.StaticBlockwiseFP4FakeQuantFunction.forward = staticmethod(_ORIGINAL.pop("static"))
         tensor_quant.FP4CastSTEFunction.forward = staticmethod(_ORIGINAL.pop("cast"))
         StaticBlockScaleQuantizer._block_scale_from_amax = _ORIGINAL.pop("lsq_scale")
-
-
-def static_nvfp4_installed() -> bool:
-    from modelopt.torch.quantization import tensor_quant
-
-    static = getattr(tensor_quant, "StaticBlockwiseFP4FakeQuantFunction", None)
-    return static is not None and static.forward is _static_forward
