@@ -6,7 +6,8 @@ budget): PTQ with max calibration; PTQ with the recipe's levers (gate/up smoothi
 search); PTQ with modelopt's ``mse`` (FP8 scale sweep), ``local_hessian`` and Four-Over-Six weight scales and with
 ``act_headroom`` activation scales (each with the recipe's smoothing, without the plugin's search); then QAD (KL to
 the fine-tune) from the recipe's PTQ (the demo), from smoothing alone, with learned block scales (``post``, ``dual``,
-``scale_only``; amax lr 1e-4, modelopt's recipe; initialised by the max rule) and with activation headroom. Each
+``scale_only``; amax lr 1e-4, modelopt's recipe; initialised by the max rule), with Four-Over-Six static weight
+scales and with activation headroom. Each
 QAD row is exported (unified HF), validated and measured as served, and reports its recovery against its *own*
 PTQ (what training adds) and against max PTQ.
 
@@ -50,6 +51,7 @@ QAD_ROWS: dict[str, tuple[str, object]] = {
     "qad_lsq_scale_only": ("ptq_smooth", {"mode": "scale_only", "lr": 1e-4}),
     "qad_act_headroom": ("ptq_act_headroom", None),
     "qad_smooth": ("ptq_smooth", None),
+    "qad_four_over_six": ("ptq_four_over_six", None),
 }
 
 

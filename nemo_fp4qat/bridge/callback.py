@@ -19,8 +19,10 @@ front ends, so policies, schedules, calibration and export behave identically):
   the model with its quantizers off becomes the teacher (or the megatron-core model given as the teacher), and
   its per-token KL takes the cross entropy's place inside the student
   (:class:`~nemo_fp4qat.qat.megatron_distillation.MegatronDistiller`), so Bridge's loss reduction and logging
-  stay as they are. The copied teacher's weights are saved once beside the checkpoints
-  (``<save>/nemo_fp4qat_teacher.pt``) so that a resumed run distils from the same teacher.
+  stay as they are; under tensor parallelism the teacher is sharded like the student and the KL is computed
+  over the vocabulary-parallel logits without gathering them. The copied teacher's weights are saved once beside
+  the checkpoints (``<save>/nemo_fp4qat_teacher.pt``, each tensor-parallel rank its shard) so that a resumed run
+  distils from the same teacher.
 """
 
 from __future__ import annotations
@@ -55,6 +57,27 @@ except ImportError:  # pragma: no cover - the module still imports for documenta
 
 def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _teacher_file(save_dir: str | Path) -> Path:
+    """Where this rank's shard of the copied teacher is kept: one file per tensor-parallel rank (data-parallel
+    replicas hold the same shard)."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    name = (
+        TEACHER_FILE
+        if tp == 1
+        else TEACHER_FILE.replace(".pt", f".tp{parallel_state.get_tensor_model_parallel_rank()}.pt")
+    )
+    return Path(save_dir) / name
+
+
+def _first_replica() -> bool:
+    """Whether this rank is data-parallel rank 0 (of its tensor-parallel position)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_rank() == 0
 
 
 def _save_atomic(obj: Any, path: Path) -> None:
@@ -122,7 +145,7 @@ class FP4QATBridgeCallback(_BridgeCallback):
 
     Raises:
         ConfigError: a field of ``config`` is wrong, or (at :meth:`install`) the run uses pipeline or virtual
-            pipeline parallelism, or QAD with tensor parallelism (the per-token KL needs the whole vocabulary).
+            pipeline parallelism.
 
     Example:
         >>> qat = FP4QATBridgeCallback(QATConfig(policy="default", schedule="progressive"))
@@ -181,13 +204,6 @@ class FP4QATBridgeCallback(_BridgeCallback):
                     f"parallelism; set {field}=1, or train with pipeline parallelism through NeMo 2 "
                     "(nemo_fp4qat.nemo.with_fp4_qat)."
                 )
-        tp = getattr(model, "tensor_model_parallel_size", 1) or 1
-        if self.qad is not None and tp > 1:
-            raise ConfigError(
-                f"distillation (QAD) with tensor_model_parallel_size={tp}: this front end distils at TP=1 (its "
-                "per-token KL needs the whole vocabulary); use data parallelism, or Megatron-Bridge's own "
-                "distillation (convert_to_distillation_provider) for a model-parallel teacher."
-            )
         model.gradient_accumulation_fusion = False
         load = getattr(cfg.checkpoint, "load", None)
         self.resuming = bool(load) and checkpoint_exists(load)
@@ -272,17 +288,17 @@ class FP4QATBridgeCallback(_BridgeCallback):
             teacher, source = frozen_copy(student), "a copy of the model as loaded, quantizers off"
             if resumed:
                 self._load_teacher(teacher)
-                source = f"restored from {Path(self._load_dir or '') / TEACHER_FILE}"
+                source = f"restored from {_teacher_file(self._load_dir or '')}"
         self.distiller = MegatronDistiller(student, teacher, self.qad)
         if _rank() == 0:
             log.info("nemo_fp4qat: QAD teacher (%s) holds %.1f MiB (alpha %s, T %s)", source,
                      self.distiller.teacher_bytes() / 2**20, self.qad.alpha, self.qad.temperature)  # fmt: skip
 
     def _load_teacher(self, teacher: nn.Module) -> None:
-        path = Path(self._load_dir or "") / TEACHER_FILE
+        path = _teacher_file(self._load_dir or "")
         if not path.is_file():
             raise ConfigError(
-                f"distillation (QAD): resuming from {path.parent}, which has no {TEACHER_FILE} (the teacher the run "
+                f"distillation (QAD): resuming from {path.parent}, which has no {path.name} (the teacher the run "
                 "started with); give the teacher as distillation={'teacher': megatron_core_model}."
             )
         saved = torch.load(path, map_location="cpu", weights_only=True)
@@ -304,17 +320,18 @@ class FP4QATBridgeCallback(_BridgeCallback):
     def on_checkpoint_save(self, context: Any) -> None:
         from megatron.bridge.training.utils.checkpoint_utils import get_checkpoint_name
 
+        save_dir = Path(context.state.cfg.checkpoint.save)
+        if self.distiller is not None and not isinstance(self.qad.teacher, nn.Module):  # type: ignore[union-attr]
+            path = _teacher_file(save_dir)
+            if _first_replica() and not self._teacher_saved and not path.is_file():
+                params = {k: v.detach().cpu() for k, v in self.distiller.teacher.named_parameters()}
+                _save_atomic(params, path)
+            self._teacher_saved = True
         if _rank() != 0:
             return
         iter_dir = Path(get_checkpoint_name(context.state.cfg.checkpoint.save, context.state.train_state.step))
         payload = {"controller": self.controller.state_dict(), "calib_batches": self.controller.calib_batches}
         _save_atomic(payload, iter_dir / STATE_FILE)
-        save_dir = Path(context.state.cfg.checkpoint.save)
-        if self.distiller is not None and not isinstance(self.qad.teacher, nn.Module):  # type: ignore[union-attr]
-            if not self._teacher_saved and not (save_dir / TEACHER_FILE).is_file():
-                params = {k: v.detach().cpu() for k, v in self.distiller.teacher.named_parameters()}
-                _save_atomic(params, save_dir / TEACHER_FILE)
-            self._teacher_saved = True
 
     def _restore(self, model: nn.Module, load_dir: str, step: int) -> None:
         from megatron.bridge.training.utils.checkpoint_utils import get_checkpoint_name

@@ -122,11 +122,11 @@ class NeMoFP4QATCallback(FP4QATCallback):
                 "tensor-parallel shards. Train without export_dir and export from the final checkpoint in a run "
                 "without pipeline parallelism, or use one of the two parallelisms."
             )
-        if self.qad is not None and (tp > 1 or pp > 1):
+        if self.qad is not None and pp > 1:
             raise ValueError(
-                f"distillation (QAD) with tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}: "
-                "NeMoFP4QATCallback distils at TP=1 and PP=1 (its per-token KL needs the whole vocabulary); "
-                "use data parallelism, or NeMo's llm.distill for a model-parallel teacher."
+                f"distillation (QAD) with pipeline_model_parallel_size={pp}: NeMoFP4QATCallback distils without "
+                "pipeline parallelism (the teacher would have to run stage by stage beside the student); use "
+                "tensor and data parallelism, or NeMo's llm.distill for a pipeline-parallel teacher."
             )
 
         # MegatronStrategy.load_checkpoint builds the sharded state dict to load from the model as it

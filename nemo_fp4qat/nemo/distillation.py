@@ -9,8 +9,9 @@ The teacher is built the way NeMo's own ``llm.distill`` builds one (``teacher_pr
 ``configure_model`` and the checkpoint's sharded weights), from the base checkpoint a recipe restores with
 ``RestoreConfig``, a path given as ``DistillationConfig.teacher``, or the one saved in a resumed run's callback
 state. Without any, a fresh run copies the student as restored, before calibration, with its quantizers off.
-Tensor- and pipeline-parallel runs are refused: the per-token KL would need the vocabulary-parallel softmax
-NeMo's ``llm.distill`` implements.
+Under tensor parallelism the teacher is sharded like the student (``teacher_provider`` loads the checkpoint at
+the run's shape; a copy stays on the same ranks) and the KL is taken over the vocabulary-parallel logits.
+Pipeline-parallel runs are refused: the teacher would have to run stage by stage beside the student.
 """
 
 from __future__ import annotations

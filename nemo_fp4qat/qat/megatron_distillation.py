@@ -5,8 +5,13 @@ A megatron-core ``GPTModel`` given labels returns the per-token cross entropy fr
 ``masked_next_token_loss``) then reduce it over the loss mask, across micro-batches and data-parallel ranks.
 Replacing that one method keeps every front end's reduction, logging and gradient path as they are, and the
 loss they report is the distillation loss. The teacher runs on the inputs the student's forward received.
-Tensor-parallel logits are not gathered here: the front ends refuse QAD at TP > 1 (a vocabulary-parallel KL is
-what NeMo's ``llm.distill`` and modelopt's distillation plugin implement).
+
+Under tensor parallelism the student and the teacher (sharded alike: a copy on the same ranks, or a checkpoint
+loaded at the run's shape) return vocabulary-parallel logits, which are never gathered: modelopt's
+``LogitsKLLoss`` (what NeMo's ``llm.distill`` and Megatron-Bridge's distillation use) forms the softmax
+denominators across the tensor-parallel group and returns each rank's share of the KL; the shares are summed
+across the group the way Bridge's ``_mask_loss`` does (an all-reduce outside autograd), so every rank holds the
+whole per-token KL, as it holds the whole cross entropy, and back-propagates its own vocabulary slice.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .distillation import DistillationConfig, kd_per_token
+from .distillation import DistillationConfig
 
 __all__ = ["MegatronDistiller", "freeze", "frozen_copy", "quantizers_off"]
 
@@ -79,12 +84,17 @@ class MegatronDistiller:
 
     Args:
         student: the megatron-core ``GPTModel`` being trained (unwrapped from DDP).
-        teacher: a frozen model taking the same inputs and returning ``[b, s, vocab]`` logits without labels.
+        teacher: a frozen model taking the same inputs and returning ``[b, s, vocab]`` logits without labels
+            (vocabulary-parallel like the student's under tensor parallelism).
         cfg: alpha and temperature.
     """
 
     def __init__(self, student: nn.Module, teacher: nn.Module, cfg: DistillationConfig) -> None:
+        from modelopt.torch.distill.plugins.megatron import LogitsKLLoss
+
         self.cfg = cfg
+        self._kl = LogitsKLLoss(student.config, temperature=cfg.temperature)
+        self._tp = int(student.config.tensor_model_parallel_size or 1)
         self.teacher = teacher  # a plain attribute: never part of the student's state dict or optimizer
         self._student = student
         self._inputs: tuple[tuple, dict] | None = None
@@ -107,11 +117,22 @@ class MegatronDistiller:
             self._inputs = None
             with torch.no_grad():
                 teacher_logits = self.teacher(*args, **kwargs)  # [b, s, v] without labels
-            kd = kd_per_token(logits.transpose(0, 1), teacher_logits, self.cfg.temperature)  # [b, s]
+            kd = self.kd_per_token(logits, teacher_logits.transpose(0, 1))  # [b, s]
             a = self.cfg.alpha
             return a * kd + (1.0 - a) * original(labels, logits) if a < 1.0 else kd
 
         return compute_language_model_loss
+
+    def kd_per_token(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+        """``T^2 * KL(p_teacher || p_student)`` per token (``[b, s]``, float32) from ``[s, b, vocab]`` logits,
+        vocabulary-parallel under tensor parallelism (the value then summed over the tensor-parallel group)."""
+        kd, tp_reduce, _ = self._kl(student_logits, teacher_logits)
+        if tp_reduce and self._tp > 1:
+            from megatron.core import parallel_state
+
+            torch.distributed.all_reduce(kd, group=parallel_state.get_tensor_model_parallel_group())
+        t = self.cfg.temperature
+        return kd * (t * t)
 
     def remove(self) -> None:
         """Take the hook off and give the student its own loss back."""

@@ -79,3 +79,29 @@ def test_bridge_qad_distils_from_the_loaded_model_and_resumes_from_the_same_teac
     for step in ("4", "5"):  # the same teacher (not a copy of the trained student): the same KL, bit for bit
         assert resumed["losses"][step] == full["losses"][step], (step, resumed["losses"], full["losses"])
     assert resumed["fc1_weight_sum"] == full["fc1_weight_sum"]
+
+
+def test_bridge_qad_at_tensor_parallel_2_matches_tp_1_and_resumes_exactly(tmp_path):
+    """QAD at TP=2 (two gloo ranks, the teacher a copy sharded like the student, the KL over vocabulary-parallel
+    logits) reports the TP=1 run's losses on the same data within 1e-5 relative; killed after step 2 and resumed
+    (each rank restoring its own shard of the teacher), steps 3-4 equal the uninterrupted TP=2 run bit for bit."""
+    common = dict(STEPS=4, SWITCH_AT=0, QAD=1)  # NVFP4 from the first step: a KL well above float32's noise
+    one = _run(tmp_path, "tp1", tmp_path / "tp1_ckpt", SAVE_INTERVAL=100, TP=1, **common)
+    two = _run(tmp_path, "tp2", tmp_path / "tp2_ckpt", nproc=2, SAVE_INTERVAL=100, TP=2, **common)
+    assert (one["tp"], [r["tp"] for r in two["ranks"]]) == (1, [2, 2])
+    assert two["ranks"][0]["losses"] == two["ranks"][1]["losses"]  # every rank holds the whole per-token KL
+    assert sorted(one["losses"]) == sorted(two["losses"]) == ["1", "2", "3", "4"]
+    for step, loss in one["losses"].items():
+        assert 0 < loss < 1.0 and abs(two["losses"][step] - loss) <= 1e-5 * loss, (step, one["losses"], two["losses"])
+
+    ckpt = tmp_path / "ckpt"
+    first = _run(tmp_path, "first", ckpt, nproc=2, SAVE_INTERVAL=2, EXIT_AT=2, TP=2, **common)
+    assert {p.name for p in ckpt.glob("nemo_fp4qat_teacher*.pt")} == {"nemo_fp4qat_teacher.tp0.pt",
+                                                                      "nemo_fp4qat_teacher.tp1.pt"}  # fmt: skip
+    resumed = _run(tmp_path, "resumed", ckpt, nproc=2, SAVE_INTERVAL=100, TP=2, **common)
+    assert "QAD teacher (restored from" in resumed["log"]
+    assert first["losses"] == {s: two["losses"][s] for s in ("1", "2")}
+    for rank in (0, 1):
+        got, want = resumed["ranks"][rank], two["ranks"][rank]
+        assert got["losses"] == {s: want["losses"][s] for s in ("3", "4")}, (rank, got["losses"], want["losses"])
+        assert got["fc1_weight_sum"] == want["fc1_weight_sum"]

@@ -1,4 +1,4 @@
-"""One Megatron-Bridge training run in a subprocess (``tests/workers/bridge_trainer_worker.py``): Bridge's
+"""One Megatron-Bridge training run in subprocesses (``tests/workers/bridge_trainer_worker.py``): Bridge's
 ``pretrain`` initializes torch.distributed and megatron's global state once per process."""
 
 from __future__ import annotations
@@ -7,20 +7,41 @@ import json
 import subprocess
 import sys
 
+from megatron_utils import free_port
 from paths import WORKERS, worker_env
 
 
-def run_bridge_worker(tmp_path, name: str, ckpt, **env) -> dict:
-    """The worker's JSON record of a run (``log``: its stdout and stderr); the env variables are the worker's."""
+def run_bridge_worker(tmp_path, name: str, ckpt, nproc: int = 1, **env) -> dict:
+    """The worker's JSON record of a run (``log``: its stdout and stderr); the env variables are the worker's.
+    ``nproc`` > 1 starts that many ranks on gloo (``RANK`` / ``WORLD_SIZE``); global rank 0's record is returned,
+    with every rank's under ``ranks``."""
     out = tmp_path / f"{name}.json"
-    proc = subprocess.run(
-        [sys.executable, str(WORKERS / "bridge_trainer_worker.py"), str(out), str(ckpt)],
-        env=worker_env(**{k: str(v) for k, v in env.items()}),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    data = json.loads(out.read_text())
-    data["log"] = proc.stdout + proc.stderr
-    return data
+    port = str(free_port())
+    dist = {"WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKERS / "bridge_trainer_worker.py"), str(out), str(ckpt)],
+            env=worker_env(**{k: str(v) for k, v in env.items()}, **dist, RANK=str(rank), LOCAL_RANK=str(rank)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(nproc)
+    ]
+    logs = []
+    for p in procs:
+        try:
+            stdout, stderr = p.communicate(timeout=900)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        logs.append((p.returncode, stdout, stderr))
+    for rank, (rc, stdout, stderr) in enumerate(logs):
+        assert rc == 0, f"rank {rank}: " + stdout[-3000:] + stderr[-6000:]
+    ranks = []
+    for rank, (_, stdout, stderr) in enumerate(logs):
+        data = json.loads((out if rank == 0 else out.with_name(f"{out.name}.rank{rank}")).read_text())
+        data["log"] = stdout + stderr
+        ranks.append(data)
+    return {**ranks[0], "ranks": ranks}

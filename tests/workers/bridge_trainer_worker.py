@@ -3,10 +3,13 @@
 Usage: ``python bridge_trainer_worker.py OUT_JSON CKPT_DIR`` with env ``MODEL`` (``tiny``: a 2-layer GPT;
 ``smollm2``: SmolLM2-135M imported from its Hugging Face files through ``AutoBridge``), ``STEPS`` (train_iters,
 default 6), ``EXIT_AT`` (stop after that step, saving a checkpoint there), ``SAVE_INTERVAL`` (default 3),
-``EXPORT_DIR`` (export at the end of training), ``SWITCH_AT`` (the step FP8 becomes NVFP4, default 2), ``QAD``
+``EXPORT_DIR`` (export at the end of training), ``SWITCH_AT`` (the step FP8 becomes NVFP4, default 2; 0: NVFP4 throughout), ``QAD``
 (``1``: distil from the model as loaded), ``MONITOR`` (a ``BridgeQuantizationMonitor`` every 2 steps whose weight
-error threshold is this value; its report goes to CKPT_DIR/quant_report). A checkpoint in CKPT_DIR is resumed.
-Writes losses per step, the probe layer's formats per step, and the final amax to OUT_JSON.
+error threshold is this value; its report goes to CKPT_DIR/quant_report), ``TP`` (tensor_model_parallel_size; when
+set, the tiny GPT's matrices are drawn whole from a seed per parameter name and each rank keeps its shard, so that
+every TP size starts from the same model, and its MLP is not gated, whose fused gate/up shards interleave).
+A checkpoint in CKPT_DIR is resumed. Writes losses per step, the probe layer's formats per step, and the final
+amax to OUT_JSON (global rank N > 0: OUT_JSON.rankN).
 """
 
 from __future__ import annotations
@@ -23,11 +26,34 @@ SWITCH_AT = int(os.environ.get("SWITCH_AT", "2"))
 MODEL = os.environ.get("MODEL", "tiny")
 QAD = os.environ.get("QAD") == "1"
 MONITOR = float(os.environ["MONITOR"]) if os.environ.get("MONITOR") else None
+TP = int(os.environ["TP"]) if os.environ.get("TP") else None
 SEQ, VOCAB = (32, 256) if MODEL == "tiny" else (64, 49152)
 LR = 3e-3 if MODEL == "tiny" else 1e-5
 
+
+def same_model_at_any_tp(chunks):
+    """Every matrix drawn whole (seeded by its name), each tensor-parallel rank keeping its shard."""
+    import zlib
+
+    import torch
+    from megatron.core import parallel_state
+
+    rank, size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    with torch.no_grad():
+        for name, p in chunks[0].named_parameters():
+            if p.dim() < 2:
+                continue  # norms: ones at any size
+            dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+            shape = [n * size if d == dim else n for d, n in enumerate(p.shape)]
+            whole = 0.1 * torch.randn(shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
+            p.copy_(whole if dim is None else whole.chunk(size, dim)[rank])
+    return chunks
+
+
 if __name__ == "__main__":
     out_json, ckpt = sys.argv[1], sys.argv[2]
+    if int(os.environ.get("RANK", "0")) > 0:
+        out_json = f"{out_json}.rank{os.environ['RANK']}"
     for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
         os.environ.setdefault(k, v)
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
@@ -67,9 +93,11 @@ if __name__ == "__main__":
             model = GPTModelProvider(
                 num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4, vocab_size=VOCAB,
                 make_vocab_size_divisible_by=128, position_embedding_type="rope", normalization="RMSNorm",
-                activation_func=torch.nn.functional.silu, gated_linear_unit=True, add_bias_linear=False,
-                share_embeddings_and_output_weights=False, **cpu_fields,
+                activation_func=torch.nn.functional.silu, gated_linear_unit=TP is None, add_bias_linear=False,
+                share_embeddings_and_output_weights=False, tensor_model_parallel_size=TP or 1, **cpu_fields,
             )  # fmt: skip
+            if TP is not None:
+                model.register_pre_wrap_hook(same_model_at_any_tp)
         else:  # the real model, through Bridge's own Hugging Face conversion (weights loaded in a pre-wrap hook)
             from megatron.bridge import AutoBridge
 
@@ -109,7 +137,11 @@ if __name__ == "__main__":
         qat = FP4QATBridgeCallback(
             QATConfig(
                 policy="fp_embeddings",
-                schedule={"stages": [{"start": 0, "format": "fp8"}, {"start": SWITCH_AT, "format": "target"}]},
+                schedule={
+                    "stages": [{"start": 0, "format": "fp8"}, {"start": SWITCH_AT, "format": "target"}][
+                        1 if SWITCH_AT == 0 else 0 :
+                    ]
+                },
                 calibration={"num_samples": 4 if MODEL == "tiny" else 2},
                 distillation="qad" if QAD else None,
                 export_dir=EXPORT_DIR,
@@ -139,6 +171,9 @@ if __name__ == "__main__":
                 record["fc1_input_amax"] = float(layer.input_quantizer.amax)
                 record["fc1_weight_sum"] = float(layer.weight.detach().double().sum())
                 record["history"] = qat.controller.history
+                from megatron.core import parallel_state
+
+                record["tp"] = parallel_state.get_tensor_model_parallel_world_size()
 
         callbacks = [qat, Probe()]
         if MONITOR is not None:
