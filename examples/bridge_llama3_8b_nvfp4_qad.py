@@ -4,8 +4,10 @@ The recipe is Megatron-Bridge's ``llama3_8b_pretrain_config`` with these changes
 
 * the run starts from the BF16 model (``cfg.checkpoint.pretrained_checkpoint``: a Megatron checkpoint made once
   with ``AutoBridge.import_ckpt("meta-llama/Meta-Llama-3-8B", "/ckpts/llama3_8b")``), which is also the QAD teacher;
-* QAD's parallelism: TP=1 and CP=1 (the per-token KL needs the whole vocabulary and sequence on a rank), data
-  parallel across the GPUs with the distributed optimizer; a fine-tuning learning rate;
+* QAD's parallelism: TP=2 (the shape of Bridge's Llama-3-8B fine-tuning recipe; the teacher is sharded like the
+  student and the KL is taken over the vocabulary-parallel logits), CP=1 and PP=1 (context-parallel QAD is
+  untested, pipeline parallelism not yet supported on this front end), data parallel across the remaining GPUs
+  with the distributed optimizer; a fine-tuning learning rate;
 * :class:`~nemo_fp4qat.bridge.FP4QATBridgeCallback` with the default policy (attention FP8, MLP NVFP4, embeddings,
   output and norms in full precision), NVFP4 from the first step, distillation from the BF16 model, and a unified
   Hugging Face checkpoint for TensorRT-LLM / vLLM / SGLang at the end.
@@ -44,7 +46,8 @@ def llama3_8b_nvfp4_qad(
 
     cfg = llama3_8b_pretrain_config()
     cfg.checkpoint.pretrained_checkpoint = base
-    cfg.model.tensor_model_parallel_size = 1
+    cfg.model.tensor_model_parallel_size = 2
+    cfg.model.pipeline_model_parallel_size = 1
     cfg.model.context_parallel_size = 1
     cfg.model.seq_length = cfg.dataset.seq_length = 4096
     cfg.train.train_iters = train_iters

@@ -201,8 +201,9 @@ class FP4QATBridgeCallback(_BridgeCallback):
             if (getattr(model, field, None) or 1) > 1:
                 raise ConfigError(
                     f"{field}={getattr(model, field)}: the Megatron-Bridge front end runs tensor and data "
-                    f"parallelism; set {field}=1, or train with pipeline parallelism through NeMo 2 "
-                    "(nemo_fp4qat.nemo.with_fp4_qat)."
+                    "parallelism, QAD included; its calibration through Bridge's pipeline schedules and per-stage "
+                    f"QAT state are not implemented yet. Set {field}=1 and raise tensor_model_parallel_size to fit "
+                    "the model."
                 )
         model.gradient_accumulation_fusion = False
         load = getattr(cfg.checkpoint, "load", None)

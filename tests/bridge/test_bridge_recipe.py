@@ -44,7 +44,7 @@ def test_llama3_8b_nvfp4_qad_example_builds_from_bridges_recipe(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
-    assert "layers=32 hidden=4096 TP=1 PP=1 CP=1 seq=4096" in out, out
+    assert "layers=32 hidden=4096 TP=2 PP=1 CP=1 seq=4096" in out, out
     assert "start from: /ckpts/llama3_8b" in out
     assert "policy='default'" in out and "distillation='qad'" in out
     assert "'hf_model': 'meta-llama/Meta-Llama-3-8B'" in out

@@ -6,10 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 
-def tiny_gpt(tp: int = 1, devices: int = 1, seq_length: int = 32, pp: int = 1) -> tuple[Any, Any]:
+def tiny_gpt(tp: int = 1, devices: int = 1, seq_length: int = 32, pp: int = 1,
+             init_std: float = 0.02) -> tuple[Any, Any]:  # fmt: skip
     """(model, data): global batch 2 (micro-batch 1 under pipeline parallelism: two microbatches), 2 layers,
     hidden 64, an untied output layer (as NeMo's Llama configs), dropout off so
-    resumed runs can be compared loss for loss, fusions off (CPU)."""
+    resumed runs can be compared loss for loss, fusions off (CPU); weights drawn with std ``init_std``."""
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig
@@ -20,7 +21,7 @@ def tiny_gpt(tp: int = 1, devices: int = 1, seq_length: int = 32, pp: int = 1) -
     torch.manual_seed(1234)
     cfg = llm.GPTConfig(
         num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, seq_length=seq_length,
-        init_method_std=0.02, hidden_dropout=0.0, attention_dropout=0.0,
+        init_method_std=init_std, hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, bias_activation_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False,

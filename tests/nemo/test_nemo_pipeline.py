@@ -115,7 +115,7 @@ def test_pipeline_stage_state_refuses_another_pipeline_size():
     ("mode", "env", "message"),
     [
         ("full", {"INJECT_INF_STEP": "1"}, "QuantizationMonitor does not support pipeline parallelism"),
-        ("qad", {}, "NeMoFP4QATCallback distils at TP=1 and PP=1"),
+        ("qad", {}, "NeMoFP4QATCallback distils without pipeline parallelism"),
         ("full", {"DEVICES": "4", "TP": "2", "EXPORT_DIR": "x"}, "does not merge tensor-parallel shards"),
     ],
     ids=["monitor", "qad", "export-tp-pp"],

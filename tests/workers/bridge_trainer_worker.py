@@ -3,13 +3,13 @@
 Usage: ``python bridge_trainer_worker.py OUT_JSON CKPT_DIR`` with env ``MODEL`` (``tiny``: a 2-layer GPT;
 ``smollm2``: SmolLM2-135M imported from its Hugging Face files through ``AutoBridge``), ``STEPS`` (train_iters,
 default 6), ``EXIT_AT`` (stop after that step, saving a checkpoint there), ``SAVE_INTERVAL`` (default 3),
-``EXPORT_DIR`` (export at the end of training), ``SWITCH_AT`` (the step FP8 becomes NVFP4, default 2; 0: NVFP4 throughout), ``QAD``
-(``1``: distil from the model as loaded), ``MONITOR`` (a ``BridgeQuantizationMonitor`` every 2 steps whose weight
-error threshold is this value; its report goes to CKPT_DIR/quant_report), ``TP`` (tensor_model_parallel_size; when
-set, the tiny GPT's matrices are drawn whole from a seed per parameter name and each rank keeps its shard, so that
-every TP size starts from the same model, and its MLP is not gated, whose fused gate/up shards interleave).
-A checkpoint in CKPT_DIR is resumed. Writes losses per step, the probe layer's formats per step, and the final
-amax to OUT_JSON (global rank N > 0: OUT_JSON.rankN).
+``EXPORT_DIR`` (export at the end of training), ``SWITCH_AT`` (the step FP8 becomes NVFP4, default 2; 0: NVFP4
+throughout), ``QAD`` (``1``: distil from the model as loaded), ``MONITOR`` (a ``BridgeQuantizationMonitor`` every 2
+steps whose weight error threshold is this value; its report goes to CKPT_DIR/quant_report), ``TP``
+(tensor_model_parallel_size; when set, the tiny GPT's matrices are drawn whole from a seed per parameter name and
+each rank keeps its shard, so that every TP size starts from the same model, and its MLP is not gated, whose fused
+gate/up shards interleave). A checkpoint in CKPT_DIR is resumed. Writes losses per step, the probe layer's formats
+per step, and the final amax to OUT_JSON (global rank N > 0: OUT_JSON.rankN).
 """
 
 from __future__ import annotations

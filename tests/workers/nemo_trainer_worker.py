@@ -30,6 +30,7 @@ BASE = os.environ.get("BASE")  # a checkpoint to start from (RestoreConfig), as 
 EXPORT_DIR = os.environ.get("EXPORT_DIR")  # set: the callback exports a TRT-LLM checkpoint at the end of fit
 # set: a QuantizationMonitor (measuring every 2 steps) watches the run, and at this step an Inf is put into the
 # input of layer 0's linear_fc2 (as the Lightning test in test_monitor.py does)
+NVFP4_FROM_START = os.environ.get("NVFP4_FROM_START") == "1"  # set: NVFP4 from the first step (no BF16/FP8 stage)
 INJECT_INF_STEP = int(os.environ["INJECT_INF_STEP"]) if os.environ.get("INJECT_INF_STEP") else None
 
 if __name__ == "__main__":
@@ -48,15 +49,17 @@ if __name__ == "__main__":
         import torch
         from nemo_tiny import tiny_gpt
 
-        model, data = tiny_gpt(tp=TP, devices=DEVICES, pp=PP)
+        model, data = tiny_gpt(tp=TP, devices=DEVICES, pp=PP, init_std=float(os.environ.get("INIT_STD", "0.02")))
         stages = [{"start": 0, "format": "bf16"}, {"start": 1, "format": "target"}] if qad else [
             {"start": 0, "format": "fp8"}, {"start": 2, "format": "target"}]  # fmt: skip
+        if NVFP4_FROM_START:
+            stages = [{"start": 0, "format": "target"}]
         qat = NeMoFP4QATCallback(
             policy="fp_embeddings",
             schedule={"stages": stages},
             # the block scale search runs at the switch to NVFP4: data-parallel ranks calibrate on different samples
             # and must still clip their replicas alike; the export must still validate code for code
-            calibration={"num_samples": 4, "block_scale_search": True},
+            calibration={"num_samples": 4, "block_scale_search": os.environ.get("BLOCK_SEARCH", "1") == "1"},
             export_dir=EXPORT_DIR,
             distillation=True if qad else None,
         )
@@ -106,6 +109,10 @@ if __name__ == "__main__":
                 with torch.no_grad():
                     kd = mm(**inputs, labels=b["labels"])
                     s_logits, t_logits = mm(**inputs).double(), d.teacher(**inputs).double()
+                    if TP > 1:  # vocabulary-parallel logits: the reference softmax takes the whole vocabulary
+                        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region as gather
+
+                        s_logits, t_logits = gather(s_logits), gather(t_logits)
                 p = torch.log_softmax(t_logits, -1)
                 ref = (p.exp() * (p - torch.log_softmax(s_logits, -1))).sum(-1)
                 w = d.teacher.decoder.layers[0].mlp.linear_fc1.weight.detach().double()
