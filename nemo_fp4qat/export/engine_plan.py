@@ -29,7 +29,9 @@ class EnginePlan:
         max_input_len / max_seq_len: longest prompt / prompt + generation, in tokens.
         max_batch_size / max_beam_width / max_num_tokens: scheduler limits.
         kv_cache_dtype: ``"auto"`` (the checkpoint's ``kv_cache_quant_algo`` or the model dtype) or ``"fp8"``.
-        plugins: extra ``trtllm-build`` plugin flags (``{"gemm_plugin": "auto"}`` ...).
+        plugins: extra ``trtllm-build`` plugin flags (``{"gemm_plugin": "auto"}`` ...). ``gemm_plugin: "auto"``
+            becomes ``nvfp4`` for a checkpoint with NVFP4 layers: TensorRT-LLM's ``FP4Linear`` runs its FP4 GEMM
+            only under that plugin (FP8 layers keep TensorRT's own FP8 GEMM).
     """
 
     max_input_len: int = 2048
@@ -58,7 +60,15 @@ class EnginePlan:
             return cls()
         return spec if isinstance(spec, cls) else from_fields(cls, spec, "engine plan")
 
-    def commands(self, checkpoint_dir: str, kind: str, tensor_parallel: int = 1) -> list[str]:
+    def build_plugins(self, formats: list[str]) -> dict[str, str]:
+        """The ``trtllm-build`` plugin flags for a checkpoint holding ``formats`` (see ``plugins``)."""
+        plugins = dict(self.plugins)
+        if plugins.get("gemm_plugin") == "auto" and any(f.startswith("nvfp4") for f in formats):
+            plugins["gemm_plugin"] = "nvfp4"
+        return plugins
+
+    def commands(self, checkpoint_dir: str, kind: str, tensor_parallel: int = 1,
+                 formats: list[str] | None = None) -> list[str]:  # fmt: skip
         ckpt = shlex.quote(str(checkpoint_dir))
         engine = shlex.quote(str(checkpoint_dir).rstrip("/") + "_engine")
         if kind == "trtllm":
@@ -68,7 +78,7 @@ class EnginePlan:
                 "--max_batch_size", str(self.max_batch_size), "--max_beam_width", str(self.max_beam_width),
                 "--max_num_tokens", str(self.max_num_tokens),
             ]  # fmt: skip
-            for k, v in self.plugins.items():
+            for k, v in self.build_plugins(formats or []).items():
                 build += [f"--{k}", v]
             launcher = f"mpirun -n {tensor_parallel} " if tensor_parallel > 1 else ""
             bench = (
@@ -87,7 +97,7 @@ class EnginePlan:
 def write_engine_plan(directory: Path, plan: EnginePlan, kind: str, tensor_parallel: int, info: dict[str, Any]) -> None:
     """Write ``engine_plan.json`` and ``build_engine.sh`` into ``directory``."""
     final_dir = info.get("final_dir", str(directory))
-    cmds = plan.commands(final_dir, kind, tensor_parallel)
+    cmds = plan.commands(final_dir, kind, tensor_parallel, info.get("formats"))
     payload = {**asdict(plan), "checkpoint_kind": kind, "tensor_parallel": tensor_parallel, **info, "commands": cmds}
     (Path(directory) / PLAN_JSON).write_text(json.dumps(payload, indent=2))
     script = [
@@ -96,4 +106,10 @@ def write_engine_plan(directory: Path, plan: EnginePlan, kind: str, tensor_paral
         "set -e",
     ]
     script += cmds
+    if kind == "hf":  # task scores of the deployed checkpoint, as lm-evaluation-harness computes them
+        script += [
+            "# lm-evaluation-harness on the served checkpoint (vLLM backend; pip install lm-eval vllm):",
+            f"# lm_eval --model vllm --model_args pretrained={shlex.quote(final_dir)},tensor_parallel_size="
+            f"{tensor_parallel},dtype=bfloat16 --tasks hellaswag,mmlu --batch_size auto --output_path lm_eval",
+        ]
     (Path(directory) / PLAN_SH).write_text("\n".join(script) + "\n")

@@ -35,6 +35,7 @@ from ..qat.scale_levers import fold_learned_scales
 from ..qat.w4a8_scaling import w4a8_export_amax
 from ..specs import from_fields
 from .atomic import atomic_directory, write_manifest
+from .engine_fields import declare_for_engines
 from .engine_plan import EnginePlan, write_engine_plan
 from .runtime_support import RUNTIMES, ExportRefused, preflight
 
@@ -324,6 +325,7 @@ def export_checkpoint(
         with w4a8_export_amax(model):
             if cfg.kind == "hf":
                 _export_hf(model, tmp, cfg)
+                declare_for_engines(tmp)
             else:
                 _export_trtllm(model, tmp, cfg)
         _save_tokenizer(tokenizer, tmp, cfg.kind, nemo_context)

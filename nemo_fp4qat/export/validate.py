@@ -8,7 +8,8 @@ Checks, for unified HF and TensorRT-LLM (qnemo) checkpoints alike:
    dtype or a scale grid that does not tile the weight is named with the tensor);
 4. fused siblings (q/k/v, gate/up) share ``input_scale`` and ``weight_scale_2`` (TensorRT-LLM's
    loader asserts this); tensor-parallel ranks agree on shared scales;
-5. excluded modules really are unquantized;
+5. excluded modules really are unquantized; a unified HF checkpoint names its 16-bit linear layers and its KV-cache
+   format where the engines' loaders look (:mod:`.engine_fields`);
 6. with the trained model: every exported weight, dequantized by this plugin's own unpacker,
    equals the model's fake-quantized weight (FP4: the E2M1 codes equal exactly, ties included;
    otherwise within the rounding of the scale product); and every unquantized tensor (embeddings,
@@ -26,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from .atomic import file_sha256, read_manifest
+from .engine_fields import engine_field_problems
 from .layout import FLOAT_DTYPES, SCALE_NAMES, check_layout, layer_layout
 from .reader import group_by_module, load_export, merge_ranks
 from .runtime_support import RUNTIMES, TRTLLM_KV_CACHE_QUANT_ALGOS, TRTLLM_QUANT_ALGOS
@@ -164,6 +166,9 @@ def validate_export(
         kv_scales = [k for k in tensors if k.endswith(("k_scale", "v_scale", "kv_cache_scaling_factor"))]
         if not kv_scales:
             rep.error("kv_cache_quant_algo", f"declares {kv} but no KV-cache scale tensors (k_scale/v_scale) exist.")
+    if kind == "hf":
+        for where, what in engine_field_problems(path):
+            rep.error(where, what + "; re-export with this version of nemo-fp4qat.")
     if skipped:
         rep.numeric["layers_skipped"] = skipped
     if model is not None and not rep.numeric.get("layers_compared"):

@@ -1,0 +1,103 @@
+"""The fields of a unified Hugging Face checkpoint that the serving engines' loaders read and modelopt leaves out.
+
+modelopt's exporter writes ``hf_quant_config.json`` (TensorRT-LLM's LLM API reads it; SGLang falls back to it) and
+``config.json["quantization_config"]`` (vLLM reads it, and SGLang when it names a ``kv_cache_quant_algo``). For a
+mixed-precision checkpoint (the layer-wise policies' usual output) it names the quantized layers only: the layers
+a policy keeps in 16 bits are named nowhere (``exclude_modules`` / ``ignore`` empty), so an engine that quantizes
+by default would quantize them; ``config.json`` carries no ``kv_cache_quant_algo`` (SGLang then reads the other
+file), and ``hf_quant_config.json`` no ``quant_method``. :func:`declare_for_engines` completes both files from the
+written tensors; nothing else is changed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+__all__ = ["declare_for_engines", "engine_field_problems", "unquantized_linears"]
+
+# the input token embedding: a lookup table, never a linear layer an engine would quantize
+_INPUT_EMBEDDING = re.compile(r"(^|\.)(embed_tokens|embed_in|wte|word_embeddings|vocab_embedding)$")
+
+
+def _weight_shapes(out: Path) -> dict[str, tuple[int, ...]]:
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in sorted(out.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                if key.endswith(".weight"):
+                    shapes[key[: -len(".weight")]] = tuple(st.get_slice(key).get_shape())
+    return shapes
+
+
+def unquantized_linears(out: str | Path, quantized: dict[str, Any]) -> list[str]:
+    """The modules of the checkpoint in ``out`` with a 2-D weight that ``quantized`` (``quantized_layers``) does not
+    name, other than the input embedding: the linear layers kept in 16 bits (``lm_head`` among them)."""
+    return sorted(
+        mod
+        for mod, shape in _weight_shapes(Path(out)).items()
+        if len(shape) == 2 and mod not in quantized and not _INPUT_EMBEDDING.search(mod)
+    )
+
+
+def declare_for_engines(out: str | Path) -> None:
+    """Complete a unified HF checkpoint's quantization fields for TensorRT-LLM, vLLM and SGLang (in place).
+
+    ``hf_quant_config.json``: ``quant_method: "modelopt"``, and for a mixed-precision checkpoint
+    ``quantization.exclude_modules`` naming the 16-bit linear layers. ``config.json["quantization_config"]``: the
+    same names in ``ignore`` and ``kv_cache_quant_algo`` (``null`` when the KV cache is not quantized).
+    """
+    out = Path(out)
+    hq_path, cfg_path = out / "hf_quant_config.json", out / "config.json"
+    if not hq_path.is_file():
+        return
+    hq = json.loads(hq_path.read_text())
+    q = hq.setdefault("quantization", {})
+    hq.setdefault("quant_method", "modelopt")
+    excluded = list(q.get("exclude_modules") or [])
+    if q.get("quant_algo") == "MIXED_PRECISION":
+        excluded = sorted(set(excluded) | set(unquantized_linears(out, q.get("quantized_layers") or {})))
+        q["exclude_modules"] = excluded
+    hq_path.write_text(json.dumps(hq, indent=4))
+    if not cfg_path.is_file():
+        return
+    config = json.loads(cfg_path.read_text())
+    qc = config.get("quantization_config")
+    if isinstance(qc, dict):
+        qc["ignore"] = sorted(set(qc.get("ignore") or []) | set(excluded))
+        qc.setdefault("kv_cache_quant_algo", q.get("kv_cache_quant_algo"))
+        cfg_path.write_text(json.dumps(config, indent=2))
+
+
+def engine_field_problems(out: str | Path) -> list[tuple[str, str]]:
+    """``(where, what)`` for each field :func:`declare_for_engines` writes that the unified HF checkpoint in ``out``
+    lacks or gets wrong (an empty list for a TensorRT-LLM checkpoint)."""
+    out = Path(out)
+    hq_path, cfg_path = out / "hf_quant_config.json", out / "config.json"
+    if not hq_path.is_file():
+        return []
+    hq = json.loads(hq_path.read_text())
+    q = hq.get("quantization", {})
+    problems = []
+    if hq.get("quant_method") != "modelopt":
+        problems.append(("hf_quant_config.json", "no quant_method 'modelopt'"))
+    excluded = set(q.get("exclude_modules") or [])
+    if q.get("quant_algo") == "MIXED_PRECISION":
+        missing = [m for m in unquantized_linears(out, q.get("quantized_layers") or {}) if m not in excluded]
+        if missing:
+            more = " ..." if len(missing) > 4 else ""
+            problems.append(("hf_quant_config.json", f"exclude_modules does not name the 16-bit linear layers "
+                             f"{missing[:4]}{more} (engines would quantize them)"))  # fmt: skip
+    qc = json.loads(cfg_path.read_text()).get("quantization_config") if cfg_path.is_file() else None
+    if isinstance(qc, dict):
+        if "kv_cache_quant_algo" not in qc or qc["kv_cache_quant_algo"] != q.get("kv_cache_quant_algo"):
+            problems.append(("config.json", f"quantization_config.kv_cache_quant_algo is not "
+                             f"{q.get('kv_cache_quant_algo')!r} (hf_quant_config.json's)"))  # fmt: skip
+        if not excluded <= set(qc.get("ignore") or []):
+            lacking = sorted(excluded - set(qc.get("ignore") or []))
+            problems.append(("config.json", f"quantization_config.ignore lacks {lacking[:4]}"))
+    return problems
