@@ -101,13 +101,36 @@ def _input_format(iq: nn.Module | None) -> str:
     return "bf16" if iq is None or not iq.is_enabled else format_of_quantizer(iq).name
 
 
+def _mixed_fused_siblings(model: nn.Module, layers: list[LayerFormat]) -> list[str]:
+    """Fused siblings (q/k/v, gate/up) in different formats: modelopt's exporters assert "Modules have different
+    quantization formats", and the engines load each group as one GEMM in one format (vLLM raises "Mixed
+    quant_algo within fused layer"; TensorRT-LLM and SGLang fuse them too)."""
+    from ..qat.fused_siblings import find_fused_siblings
+
+    modules = dict(model.named_modules())
+    formats = {lf.module: (lf.weight.name, _input_format(getattr(modules[lf.module], "input_quantizer", None)))
+               for lf in layers}  # fmt: skip
+    problems = []
+    for group in find_fused_siblings(model):
+        seen = {m: formats.get(m, ("bf16", "bf16")) for m in group}
+        if len(set(seen.values())) > 1:
+            named = ", ".join(f"{m.rsplit('.', 1)[-1]}={w}/{a}" for m, (w, a) in seen.items())
+            problems.append(
+                f"{group[0].rsplit('.', 1)[0]}: fused siblings in different formats ({named}, weight/input); "
+                "modelopt's exporters and the serving engines handle them as one GEMM in one format. Give them one "
+                "rule in the policy."
+            )
+    return problems
+
+
 def preflight(model: nn.Module, runtime: str = "trtllm", tensor_parallel: int = 1) -> list[LayerFormat]:
     """Refuse (``ExportRefused``) what modelopt cannot export or ``runtime`` would reject.
 
     Checks, per quantized linear: the format has an exporter (MXFP6 has none); the runtime has a
     kernel for it (TensorRT-LLM has none for dense MXFP4 / MXFP8); block sizes divide
     ``in_features`` (INT4 AWQ: 128; NVFP4: 16) including after tensor-parallel splitting; weight
-    quantizers are calibrated. Returns the layer formats when everything passes.
+    quantizers are calibrated; fused siblings (q/k/v, gate/up) share one format.
+    Returns the layer formats when everything passes.
     """
     if runtime not in RUNTIMES:
         raise ValueError(f"Unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}.")
@@ -180,6 +203,7 @@ def preflight(model: nn.Module, runtime: str = "trtllm", tensor_parallel: int = 
         if f.needs_amax and getattr(wq, "_amax", None) is None:
             problems.append(f"{lf.module}: weight quantizer has no amax; calibrate before exporting.")
     problems += _w4a8_exporter_problems(model)
+    problems += _mixed_fused_siblings(model, layers)
     if problems:
         raise ExportRefused("Export refused, nothing was written:\n  - " + "\n  - ".join(problems))
     return layers

@@ -87,3 +87,15 @@ def test_hf_engine_script_gives_the_lm_eval_command_for_the_served_checkpoint(tm
     out = export_checkpoint(calibrated_tiny_llama("nvfp4"), tmp_path / "hf", ExportConfig(kind="hf"))
     script = (out / "build_engine.sh").read_text()
     assert f"# lm_eval --model vllm --model_args pretrained={out.resolve()},tensor_parallel_size=1" in script
+
+
+def test_fused_siblings_in_different_formats_are_refused_before_anything_is_written(tmp_path):
+    from nemo_fp4qat.export import ExportRefused
+
+    policy = LayerPolicy.preset("default")  # attention FP8; q_proj alone moved to NVFP4
+    policy.rules.insert(0, type(policy.rules[0])(patterns=["*.q_proj"], weight="nvfp4", group="q"))
+    model = calibrated_tiny_llama(policy)
+    with pytest.raises(ExportRefused, match=r"self_attn: fused siblings in different formats \(q_proj=nvfp4/nvfp4, "
+                       r"k_proj=fp8/fp8, v_proj=fp8/fp8, weight/input\)"):  # fmt: skip
+        export_checkpoint(model, tmp_path / "hf", ExportConfig(kind="hf"))
+    assert not (tmp_path / "hf").exists()
