@@ -97,6 +97,9 @@ def _eval_model(args: argparse.Namespace) -> int:
     from .eval.evaluation import evaluate, load_mc_tasks
     from .export.deployed_model import is_export_dir, load_deployed_model
 
+    if args.tasks and args.model is None:
+        print("nemo-fp4qat eval: --tasks needs --model DIR or --export DIR", file=sys.stderr)
+        return 2
     if is_export_dir(args.model):
         deployed = load_deployed_model(args.model)
         model, tok, formats = deployed.model, deployed.tokenizer, deployed.weight_formats
@@ -108,6 +111,8 @@ def _eval_model(args: argparse.Namespace) -> int:
 
         tok = AutoTokenizer.from_pretrained(args.model)
         model, formats = AutoModelForCausalLM.from_pretrained(args.model), None
+    if args.tasks:
+        return _lm_eval(args, model, tok)
     if args.text:
         text, window, windows = Path(args.text).read_text(), args.window or 512, args.windows or 16
     else:  # the demo's validation set, so the figure is comparable with runs/demo/report.json
@@ -121,6 +126,55 @@ def _eval_model(args: argparse.Namespace) -> int:
     res = evaluate(model, ids, window=window, max_windows=windows, tokenizer=tok, mc_tasks=mc, weight_formats=formats)
     print(json.dumps(res.as_dict(), indent=1))
     return 0
+
+
+def _lm_eval(args: argparse.Namespace, model: Any, tok: Any) -> int:
+    """lm-evaluation-harness on the loaded model: its table on stdout, its results JSON at --output, and with
+    --gate --baseline-results the gate on task metrics."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from .eval.gate import QualityGate
+    from .eval.harness import lm_eval_table, run_lm_eval, write_local_tasks
+
+    names, include = [], []
+    for item in args.tasks.split(","):
+        if Path(item).is_dir():  # a directory of task YAMLs: every task it defines
+            include.append(item)
+            names += [line.split(":", 1)[1].strip() for f in sorted(Path(item).glob("*.y*ml"))
+                      for line in f.read_text().splitlines() if line.startswith("task:")]  # fmt: skip
+        else:
+            names.append(item.strip())
+    with tempfile.TemporaryDirectory() as tmp:
+        include.append(str(write_local_tasks(tmp)))
+        try:
+            limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
+            results = run_lm_eval(model, tok, names, include_path=include, limit=limit,
+                                  batch_size=args.batch_size, output=args.output)  # fmt: skip
+        except ValueError as e:
+            print(f"nemo-fp4qat eval: {e}", file=sys.stderr)
+            return 2
+    print(lm_eval_table(results))
+    print(f"lm-eval results: {args.output}")
+    if not args.gate:
+        return 0
+    if not args.baseline_results:
+        print("nemo-fp4qat eval: --gate with --tasks needs --baseline-results (the baseline's lm-eval JSON)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    gate = QualityGate(max_ppl_increase_pct=args.max_ppl_increase, max_acc_drop=args.max_acc_drop)
+    try:
+        res = gate.check_lm_eval(results, json.loads(Path(args.baseline_results).read_text()))
+    except ValueError as e:
+        print(f"quality gate: {e}", file=sys.stderr)
+        return 2
+    if res.passed:
+        print(f"quality gate PASSED (lm-eval tasks vs {args.baseline_results}): {res.checks}")
+        return 0
+    for f in res.failures:
+        print(f"quality gate FAILED: {f}", file=sys.stderr)
+    return 1
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -210,8 +264,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=_demo)
     e = sub.add_parser("eval", help="evaluate a model, or check a comparison report against the quality gate")
     e.add_argument("--report", help="report.json written by `demo` (variants to compare)")
-    e.add_argument("--model", help="an export directory (unified HF or TRT-LLM checkpoint: evaluated as deployed) "
-                   "or a Hugging Face model directory")  # fmt: skip
+    e.add_argument("--model", "--export", dest="model", help="an export directory (unified HF or TRT-LLM "
+                   "checkpoint: evaluated as deployed) or a Hugging Face model directory")  # fmt: skip
+    e.add_argument("--tasks", help="lm-evaluation-harness tasks, comma-separated names or directories of task YAMLs "
+                   "(shipped, offline: fp4qat_next_sentence, fp4qat_heldout_perplexity)")  # fmt: skip
+    e.add_argument("--limit", type=float, help="documents per lm-eval task (a fraction if < 1)")
+    e.add_argument("--batch-size", type=int, default=8, help="lm-eval batch size")
+    e.add_argument("--output", default="lm_eval_results.json", help="where lm-eval's results JSON goes")
+    e.add_argument("--baseline-results", help="the baseline's lm-eval results JSON, for --gate with --tasks")
     e.add_argument("--text", help="held-out text file for perplexity (default: the demo's validation book)")
     e.add_argument("--mc", help="multiple-choice JSONL file {input, choices, answer}")
     e.add_argument("--window", type=int, help="tokens per window (default 512; the demo's 256 without --text)")

@@ -69,6 +69,42 @@ class QualityGate:
                 )
         return GateResult(passed=not failures, failures=failures, checks=checks)
 
+    def check_lm_eval(self, candidate: dict[str, Any], baseline: dict[str, Any]) -> GateResult:
+        """The gate on two lm-evaluation-harness results dicts (or their JSON): the largest accuracy drop in points
+        over the tasks and accuracy metrics both hold (``acc``, ``acc_norm``, ``exact_match``), and the largest
+        perplexity increase in percent (``word_perplexity``, ``byte_perplexity``)."""
+        cand, base = candidate.get("results", {}), baseline.get("results", {})
+        shared = sorted(set(cand) & set(base))
+        if not shared:
+            raise ValueError(f"no task in both lm-eval results (candidate {sorted(cand)}, baseline {sorted(base)}).")
+        failures, checks = [], {}
+        drops, increases = {}, {}
+        for task in shared:
+            for key, b in base[task].items():
+                c = cand[task].get(key)
+                if not isinstance(b, float | int) or not isinstance(c, float | int) or "_stderr" in key:
+                    continue
+                metric = key.split(",")[0]
+                if metric in ("acc", "acc_norm", "exact_match"):
+                    drops[f"{task}/{key}"] = 100.0 * (b - c)
+                elif metric in ("word_perplexity", "byte_perplexity"):
+                    increases[f"{task}/{key}"] = 100.0 * (c / b - 1.0)
+        if drops:
+            worst = max(drops, key=drops.get)
+            checks["acc_drop_points"] = {"value": drops[worst], "limit": self.max_acc_drop}
+            if drops[worst] > self.max_acc_drop:
+                failures.append(f"accuracy: {worst} is {drops[worst]:.1f} points below the baseline "
+                                f"(allowed {self.max_acc_drop})")  # fmt: skip
+        if increases:
+            worst = max(increases, key=increases.get)
+            checks["ppl_increase_pct"] = {"value": increases[worst], "limit": self.max_ppl_increase_pct}
+            if increases[worst] > self.max_ppl_increase_pct:
+                failures.append(f"perplexity: {worst} is {increases[worst]:.2f}% above the baseline "
+                                f"(allowed {self.max_ppl_increase_pct}%)")  # fmt: skip
+        if not checks:
+            raise ValueError(f"the lm-eval results share tasks {shared} but no accuracy or perplexity metric.")
+        return GateResult(passed=not failures, failures=failures, checks=checks)
+
 
 def _table(variants: dict[str, dict[str, Any]]) -> list[str]:
     rows = [

@@ -149,6 +149,23 @@ def test_eval_cli_reports_the_exported_checkpoint(exported, capsys):
     assert res["bits_per_weight"] < 8.0
 
 
+@pytest.mark.core_only  # lm-eval is installed in the core environment
+def test_eval_cli_runs_lm_eval_on_the_export_as_deployed(exported, tmp_path, capsys):
+    """``nemo-fp4qat eval --export DIR --tasks T`` scores the checkpoint as deployed with lm-evaluation-harness,
+    offline: lm-eval's table on stdout, its results JSON written; the gate on task metrics passes against itself."""
+    from nemo_fp4qat.cli import main
+
+    path, out = exported("default", "hf", 1), tmp_path / "results.json"
+    args = ["eval", "--export", str(path), "--tasks", "fp4qat_next_sentence", "--limit", "4", "--output", str(out)]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "|fp4qat_next_sentence|" in printed.replace(" ", "") and "acc_norm" in printed
+    acc = json.loads(out.read_text())["results"]["fp4qat_next_sentence"]["acc,none"]
+    assert 0.0 <= acc <= 1.0
+    gated = [*args[:-1], str(tmp_path / "again.json"), "--gate", "--baseline-results", str(out)]
+    assert main(gated) == 0 and "quality gate PASSED" in capsys.readouterr().out
+
+
 @pytest.mark.nemo
 def test_nemo_accepts_the_smollm2_trtllm_checkpoint(exported):
     """What the demo writes for TensorRT-LLM is a checkpoint NeMo's qnemo loader recognises."""

@@ -1,0 +1,139 @@
+"""Task scores with lm-evaluation-harness, on a model in memory or on an export as deployed.
+
+lm-evaluation-harness (``lm_eval``) is what users and modelopt's own examples score quantized models with, and its
+results JSON is what dashboards read, so task scores go through it: :func:`run_lm_eval` hands the model (any
+Hugging Face causal LM object, e.g. the one :func:`~nemo_fp4qat.export.deployed_model.load_deployed_model` rebuilds
+from an export's codes and scales) to lm-eval's ``HFLM`` and calls ``simple_evaluate``.
+
+Two tasks ship with the plugin so that everything runs offline on the demo's embedded corpus
+(:func:`write_local_tasks` writes their data and lm-eval task YAMLs):
+
+* ``fp4qat_next_sentence``: multiple choice, the sentence that really follows a context in the held-out book
+  (:func:`~nemo_fp4qat.eval.tasks.next_sentence_tasks`); metrics ``acc`` and ``acc_norm`` (lm-eval's: per byte);
+* ``fp4qat_heldout_perplexity``: rolling log-likelihood of held-out passages; ``word_perplexity``,
+  ``byte_perplexity``, ``bits_per_byte``.
+
+Standard tasks (``hellaswag``, ``mmlu``, ``gsm8k`` ...) are taken by name where their data is reachable.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["LOCAL_TASKS", "lm_eval_table", "run_lm_eval", "write_local_tasks"]
+
+LOCAL_TASKS = ("fp4qat_next_sentence", "fp4qat_heldout_perplexity")
+
+_MC_YAML = """task: fp4qat_next_sentence
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{input}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+target_delimiter: ""
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
+
+_PPL_YAML = """task: fp4qat_heldout_perplexity
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: word_perplexity
+  - metric: byte_perplexity
+  - metric: bits_per_byte
+metadata:
+  version: 1.0
+"""
+
+
+def write_local_tasks(directory: str | Path, n_mc: int = 100, n_passages: int = 8, passage_words: int = 200) -> Path:
+    """Write the shipped tasks' data (from the demo's held-out book, *Persuasion*) and lm-eval task YAMLs into
+    ``directory`` (returned; give it to :func:`run_lm_eval` as ``include_path``). Deterministic."""
+    from ..demo.model import load_corpus
+    from .tasks import next_sentence_tasks
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    text = load_corpus("persuasion")
+    mc = out / "fp4qat_next_sentence.jsonl"
+    mc.write_text("".join(json.dumps(t) + "\n" for t in next_sentence_tasks(text, n=n_mc)))
+    words = text.split()
+    step = max(passage_words, len(words) // max(1, n_passages))
+    passages = [" ".join(words[i : i + passage_words]) for i in range(0, len(words), step)][:n_passages]
+    ppl = out / "fp4qat_heldout_perplexity.jsonl"
+    ppl.write_text("".join(json.dumps({"text": p}) + "\n" for p in passages))
+    (out / "fp4qat_next_sentence.yaml").write_text(_MC_YAML.format(data=json.dumps(str(mc.resolve()))))
+    (out / "fp4qat_heldout_perplexity.yaml").write_text(_PPL_YAML.format(data=json.dumps(str(ppl.resolve()))))
+    return out
+
+
+def run_lm_eval(
+    model: Any,
+    tokenizer: Any,
+    tasks: list[str],
+    include_path: str | Path | list[str | Path] | None = None,
+    limit: int | float | None = None,
+    batch_size: int = 1,
+    output: str | Path | None = None,
+) -> dict[str, Any]:
+    """lm-evaluation-harness's ``simple_evaluate`` on ``model`` (a Hugging Face causal LM object). Returns its
+    results dict and, with ``output``, writes it there as lm-eval's results JSON (``samples`` left out).
+
+    Args:
+        tasks: lm-eval task names; the shipped local ones need ``include_path`` (:func:`write_local_tasks`).
+        include_path: a directory of task YAMLs, searched before lm-eval's own tasks.
+        limit: documents per task (an int) or a fraction of each task.
+
+    Raises:
+        ValueError: a task name lm-eval does not know (the message lists the names it was given).
+    """
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    paths = include_path if isinstance(include_path, list) else [include_path] if include_path else []
+    manager = TaskManager(include_path=[str(p) for p in paths] or None)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise ValueError(
+            f"lm-evaluation-harness knows no task {unknown}: give lm-eval task names (e.g. hellaswag, mmlu) or "
+            f"a directory of task YAMLs (--tasks DIR); the shipped offline tasks are {list(LOCAL_TASKS)}."
+        )
+    model.eval()
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    results = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit, log_samples=False)
+    if output is not None:
+        from lm_eval.utils import handle_non_serializable
+
+        path = Path(output)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kept = {k: v for k, v in results.items() if k != "samples"}
+        path.write_text(json.dumps(kept, indent=2, default=handle_non_serializable))
+    return results
+
+
+def lm_eval_table(results: dict[str, Any]) -> str:
+    """lm-eval's own results table (what its command line prints)."""
+    from lm_eval.utils import make_table
+
+    return make_table(results)
