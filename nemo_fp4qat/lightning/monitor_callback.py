@@ -9,6 +9,11 @@ stable names (``quant/<layer>/<metric>``), checks them against named thresholds
 or roll the affected layer group back one stage. At each switch and at the end it prints a table,
 and it writes ``quant_report.json`` and PNG plots (:mod:`nemo_fp4qat.monitor.report`) next to the
 run's logs.
+
+Under megatron pipeline parallelism each stage measures the layers it holds, under the whole model's layer names;
+the findings of every rank are exchanged after each step, so that every rank applies the same actions (a stop on
+all stages at once, a rollback of the finding's layer group on every stage that holds part of it); the report on
+global rank 0 gathers every stage's layers.
 """
 
 from __future__ import annotations
@@ -29,24 +34,17 @@ from ..monitor.analysis import amax_of, analyze_model, quantized_layers
 from ..monitor.findings import ACTIONS, Finding, MonitorThresholds, add_finding, check_layer
 from ..monitor.report import summary_table, write_report
 from ..numerics.metrics import quantization_error
+from ..qat.stage_names import stage_layer_offset, to_global_name
 
 __all__ = ["QuantizationMonitor"]
 
 
-def _refuse_pipeline_parallel() -> None:
-    """The monitor reads one rank's model: under megatron pipeline parallelism that is one stage, under its own
-    layer names, and a stop or rollback decided there would leave the other stages training on."""
-    ps = sys.modules.get("megatron.core.parallel_state")  # no megatron imported: no pipeline here
+def _pipeline_size() -> int:
+    """Megatron's pipeline-parallel size where its parallel state is set up, else 1 (no megatron imported: 1)."""
+    ps = sys.modules.get("megatron.core.parallel_state")
     if ps is None or not ps.model_parallel_is_initialized():
-        return
-    pp = ps.get_pipeline_model_parallel_world_size()
-    if pp > 1:
-        raise ValueError(
-            f"QuantizationMonitor does not support pipeline parallelism (pipeline_model_parallel_size={pp}): each "
-            "rank holds one stage, and a stop or rollback on one stage would leave the others training. Monitor a run "
-            "without pipeline parallelism (data and tensor parallelism are supported), or analyze the trained model "
-            "or its export with nemo_fp4qat.analyze_model / `nemo-fp4qat validate`."
-        )
+        return 1
+    return int(ps.get_pipeline_model_parallel_world_size())
 
 
 class QuantizationMonitor(pl.Callback):
@@ -56,8 +54,7 @@ class QuantizationMonitor(pl.Callback):
         >>> pl.Trainer(callbacks=[FP4QATCallback(), QuantizationMonitor(every_n_steps=50, action="rollback")])
 
     Raises:
-        ValueError: an unknown action or cadence (at construction); at the start of training under megatron
-            pipeline parallelism, which it does not support.
+        ValueError: an unknown action or cadence (at construction).
         ConfigError: an unknown threshold field (at construction).
 
     Args:
@@ -104,10 +101,21 @@ class QuantizationMonitor(pl.Callback):
         self.check_finite_every_step = check_finite_every_step
         self._finite_hooks: list[Any] = []
         self._nonfinite: dict[str, int] = {}  # layer -> non-finite input elements seen this step
+        self._pp = 1  # pipeline stages; > 1: names are the whole model's, findings are exchanged every step
+        self._offset = 0  # this stage's first transformer layer
+        self._pending: list[tuple[dict[str, Any], str | None]] = []  # this step's findings and their layer groups
 
     # --- helpers ------------------------------------------------------------------------------
     def _module(self, pl_module: pl.LightningModule) -> nn.Module:
         return self.module_getter(pl_module) if self.module_getter else pl_module
+
+    def _g(self, name: str) -> str:
+        """A layer's name in the whole model (a pipeline stage's own names start at its first layer)."""
+        return to_global_name(name, self._offset)
+
+    def _local_layers(self, module: nn.Module) -> dict[str, nn.Module]:
+        """The quantized layers, by their names in the whole model."""
+        return {self._g(n): m for n, m in quantized_layers(module).items()}
 
     def _qat(self, trainer: pl.Trainer) -> Any:
         from .callback import FP4QATCallback
@@ -123,7 +131,7 @@ class QuantizationMonitor(pl.Callback):
 
     def _install_input_hooks(self, module: nn.Module) -> None:
         self._remove_hooks()
-        for name, m in quantized_layers(module).items():
+        for name, m in self._local_layers(module).items():
             iq = getattr(m, "input_quantizer", None)
             if iq is None or not iq.is_enabled:
                 continue
@@ -144,8 +152,9 @@ class QuantizationMonitor(pl.Callback):
 
     # --- Lightning hooks ----------------------------------------------------------------------
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        _refuse_pipeline_parallel()
         module = self._module(pl_module)
+        self._pp = _pipeline_size()
+        self._offset = stage_layer_offset(module) if self._pp > 1 else 0
         self._snapshot_amax(module)
         if self.check_finite_every_step:
             self._install_finite_hooks(module)
@@ -155,7 +164,7 @@ class QuantizationMonitor(pl.Callback):
         for h in self._finite_hooks:
             h.remove()
         self._finite_hooks = []
-        for name, m in quantized_layers(module).items():
+        for name, m in self._local_layers(module).items():
             iq = getattr(m, "input_quantizer", None)
             if iq is None or not iq.is_enabled:
                 continue
@@ -179,7 +188,7 @@ class QuantizationMonitor(pl.Callback):
         self._remove_hooks()
 
     def _snapshot_amax(self, module: nn.Module) -> None:
-        for name, m in quantized_layers(module).items():
+        for name, m in self._local_layers(module).items():
             self._calib_amax[name] = {
                 "weight": amax_of(getattr(m, "weight_quantizer", None)),
                 "input": amax_of(getattr(m, "input_quantizer", None)),
@@ -202,7 +211,7 @@ class QuantizationMonitor(pl.Callback):
             return
         self._remove_hooks()
         step = trainer.global_step
-        for name, m in quantized_layers(self._module(pl_module)).items():
+        for name, m in self._local_layers(self._module(pl_module)).items():
             for pname, p in m.named_parameters(recurse=False):
                 if p.grad is not None and not torch.isfinite(p.grad).all():
                     self._find(trainer, step, name, "nonfinite", f"grad_{pname}_nonfinite", 1.0, 0.0)
@@ -230,11 +239,16 @@ class QuantizationMonitor(pl.Callback):
         if self._measure_now:
             self._measure(trainer, pl_module, step)
             self._measure_now = False
+        self._exchange_findings(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._remove_hooks()
         self._measure(trainer, pl_module, trainer.global_step, final=True)
-        self.write_report(trainer)
+        self._exchange_findings(trainer)
+        if self._pp > 1:
+            self._gather_stage_records()
+        if trainer.is_global_zero:
+            self.write_report(trainer)
 
     def state_dict(self) -> dict[str, Any]:
         return {"findings": [asdict(f) for f in self.findings], "loss_mean": self._loss_mean}
@@ -247,7 +261,7 @@ class QuantizationMonitor(pl.Callback):
     def _measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, final: bool = False) -> None:
         t0 = time.perf_counter()
         module = self._module(pl_module)
-        layers = analyze_model(module)
+        layers = {self._g(n): rec for n, rec in analyze_model(module).items()}
         th = self.thresholds
         metrics: dict[str, float] = {}
         for name, rec in layers.items():
@@ -286,17 +300,66 @@ class QuantizationMonitor(pl.Callback):
         if f is None:
             return
         rank_zero_warn(f"nemo_fp4qat monitor: {f}")
-        if self.action == "stop":
+        if self._pp > 1:  # acted on by every rank at the end of the step (_exchange_findings)
+            self._pending.append((asdict(f), self._group_of(trainer, layer)))
+        elif self.action == "stop":
             trainer.should_stop = True
         elif self.action == "rollback":
-            self._rollback(trainer, layer)
+            self._rollback(trainer, self._group_of(trainer, layer))
 
-    def _rollback(self, trainer: pl.Trainer, layer: str) -> None:
+    def _group_of(self, trainer: pl.Trainer, layer: str) -> str | None:
+        """The layer group (policy rule) a quantized layer belongs to; None without FP4QATCallback or for a
+        layer it does not quantize (the loss)."""
+        qat = self._qat(trainer)
+        if qat is None:
+            return None
+        local = {self._g(n): n for n in qat.controller.current}
+        return qat.controller.group_of(local[layer]) if layer in local else None
+
+    def _rollback(self, trainer: pl.Trainer, group: str | None) -> None:
         qat = self._qat(trainer)
         if qat is None:
             rank_zero_warn("nemo_fp4qat monitor: rollback needs FP4QATCallback; only warning.")
             return
-        qat.controller.roll_back_layer(layer)
+        if group is not None:
+            qat.controller.roll_back_group(group)
+
+    def _exchange_findings(self, trainer: pl.Trainer) -> None:
+        """Under pipeline parallelism: every rank learns every rank's findings of this step and applies the same
+        actions once (a group found on several stages is rolled back one stage, not one per stage)."""
+        if self._pp == 1:
+            return
+        import torch.distributed as dist
+
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, self._pending)
+        self._pending = []
+        groups: set[str] = set()
+        for fd, group in (item for items in everyone for item in items):
+            add_finding(self.findings, fd["step"], fd["layer"], fd["problem"], fd["metric"], fd["value"],
+                        fd["threshold"], self.action)  # fmt: skip
+            if group is not None:
+                groups.add(group)
+            if self.action == "stop":
+                trainer.should_stop = True
+        if self.action == "rollback":
+            for group in sorted(groups):
+                self._rollback(trainer, group)
+
+    def _gather_stage_records(self) -> None:
+        """Every stage's measurements merged into this rank's records (same steps on every stage)."""
+        import torch.distributed as dist
+
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, self.records)
+        merged: dict[tuple[int, bool], dict[str, Any]] = {}
+        for records in everyone:
+            for r in records:
+                key = (r["step"], r["final"])
+                into = merged.setdefault(key, {**r, "layers": {}})
+                into["layers"].update(r["layers"])
+                into["seconds"] = max(into["seconds"], r["seconds"])
+        self.records = sorted(merged.values(), key=lambda r: (r["step"], r["final"]))
 
     # --- output ---------------------------------------------------------------------------------
     summary_table = staticmethod(summary_table)

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch.nn as nn
 
+from ..qat.stage_names import stage_layer_offset, to_global_name
+
 __all__ = [
     "every_stage",
     "gather_pipeline_model",
@@ -90,8 +92,7 @@ def this_stage(saved: Any) -> Any:
 
 def pipeline_layer_offset(model: nn.Module) -> int:
     """The global index of this stage's first transformer layer (``layer_number`` counts from 1)."""
-    layers = model.decoder.layers
-    return int(layers[0].layer_number) - 1 if len(layers) else 0
+    return stage_layer_offset(model)
 
 
 def pipeline_forward(model: nn.Module, inputs: dict[str, Any]) -> Any:
@@ -122,13 +123,7 @@ def pipeline_forward(model: nn.Module, inputs: dict[str, Any]) -> Any:
     return out
 
 
-def _to_global(name: str, offset: int) -> str:
-    """A stage's local parameter / module name -> the whole model's (``decoder.layers.<i>`` shifted by ``offset``)."""
-    head, sep, rest = name.partition("decoder.layers.")
-    if not sep or not offset:
-        return name
-    idx, dot, tail = rest.partition(".")
-    return f"{head}decoder.layers.{int(idx) + offset}{dot}{tail}"
+_to_global = to_global_name
 
 
 def _global_controller_state(state: dict[str, Any], offset: int) -> dict[str, Any]:

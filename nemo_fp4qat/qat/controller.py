@@ -344,11 +344,17 @@ class QATController:
         self._expire_ramps(model)
         return events
 
+    def group_of(self, layer: str) -> str | None:
+        """The layer group (policy rule) of the quantized module ``layer``; None for a module it does not quantize
+        (or before the policy is resolved)."""
+        targets = self._targets() if self.table is not None else {}
+        return targets[layer][2] if layer in targets else None
+
     def roll_back_layer(self, layer: str) -> int | None:
         """Roll back the layer group ``layer`` belongs to (:meth:`roll_back_group`); None for a layer it does not
         quantize (or before the policy is resolved)."""
-        targets = self._targets() if self.table is not None else {}
-        return self.roll_back_group(targets[layer][2]) if layer in targets else None
+        group = self.group_of(layer)
+        return self.roll_back_group(group) if group is not None else None
 
     def roll_back_group(self, group: str) -> int:
         """Keep ``group`` one stage below where it is now for the rest of the run (applied next step)."""

@@ -100,6 +100,37 @@ def test_pipeline_parallel_run_calibrates_switches_resumes_and_exports_every_sta
             assert torch.allclose(v.float(), t_1[key].float(), rtol=1e-3, atol=1e-4), key
 
 
+@pytest.mark.parametrize("action", [pytest.param("warn", marks=pytest.mark.slow_nemo), "rollback"])
+def test_monitor_under_pipeline_parallelism_reports_every_stage_and_acts_on_all(tmp_path, base, action):
+    """PP=2 with the monitor: each stage measures its own layers under the whole model's names; an Inf put into the
+    input of each stage's first linear_fc2 at step 1 is found on both stages, and every rank holds both findings;
+    rank 0's report names every quantized layer of both stages. With action='rollback' both stages roll the group
+    back once, together: it stays in FP8 (no switch to NVFP4 at step 2) on every rank."""
+    r0, r1 = run_worker(tmp_path, f"monitor_{action}", steps=4, devices=2, PP=2, BASE=base, INJECT_INF_STEP=1,
+                        MONITOR_ACTION=action)  # fmt: skip
+    found = sorted((layer, step, metric) for layer, step, metric, _ in r0["nonfinite"])
+    assert found == [("decoder.layers.0.mlp.linear_fc2", 1, "input_nonfinite"),
+                     ("decoder.layers.1.mlp.linear_fc2", 1, "input_nonfinite")], r0["nonfinite"]  # fmt: skip
+    assert sorted(map(tuple, r1["nonfinite"])) == sorted(map(tuple, r0["nonfinite"]))  # every rank holds both
+    report = json.loads((tmp_path / "quant_report.json").read_text())
+    kinds = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+    every_layer = {f"decoder.layers.{i}.{k}" for i in (0, 1) for k in kinds}
+    assert report["measurements"] and all(set(m["layers"]) == every_layer for m in report["measurements"])
+    assert {(f["layer"], f["step"]) for f in report["findings"] if f["problem"] == "nonfinite"} == {
+        (n, 1) for n, _, _ in found}  # fmt: skip
+    if action == "rollback":
+        assert r0["pins"] == r1["pins"] == {"other": 0}  # one stage back from FP8: held there, once
+        assert r0["history"] == r1["history"] == []
+        assert r0["final_num_bits"] == r1["final_num_bits"] == [4, 3]
+    else:
+        assert r0["pins"] == r1["pins"] == {}
+        assert (
+            [(e["step"], e["to"]) for e in r0["history"]]
+            == [(2, "nvfp4")]
+            == [(e["step"], e["to"]) for e in r1["history"]]
+        )
+
+
 def test_pipeline_stage_state_refuses_another_pipeline_size():
     """A checkpoint's per-stage QAT state cannot be resumed at another pipeline-parallel size: the message names
     the size it was saved with and how to start from its weights instead."""
@@ -114,13 +145,12 @@ def test_pipeline_stage_state_refuses_another_pipeline_size():
 @pytest.mark.parametrize(
     ("mode", "env", "message"),
     [
-        ("full", {"INJECT_INF_STEP": "1"}, "QuantizationMonitor does not support pipeline parallelism"),
         ("qad", {}, "NeMoFP4QATCallback distils without pipeline parallelism"),
         ("full", {"DEVICES": "4", "TP": "2", "EXPORT_DIR": "x"}, "does not merge tensor-parallel shards"),
     ],
-    ids=["monitor", "qad", "export-tp-pp"],
+    ids=["qad", "export-tp-pp"],
 )
-def test_pipeline_parallel_refuses_the_monitor_and_qad_by_name(tmp_path, base, mode, env, message):
+def test_pipeline_parallel_refuses_qad_and_a_tp_pp_export_by_name(tmp_path, base, mode, env, message):
     """What does not run under pipeline parallelism stops the run before its first step, with the limit named."""
     out = tmp_path / "refused.json"
     args = [str(base)] if mode == "qad" else []

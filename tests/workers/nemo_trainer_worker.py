@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 STEPS = int(os.environ.get("STEPS", "4"))
 DEVICES = int(os.environ.get("DEVICES", "1"))  # > 1: processes on gloo (Lightning launches the others)
@@ -31,6 +32,7 @@ EXPORT_DIR = os.environ.get("EXPORT_DIR")  # set: the callback exports a TRT-LLM
 # set: a QuantizationMonitor (measuring every 2 steps) watches the run, and at this step an Inf is put into the
 # input of layer 0's linear_fc2 (as the Lightning test in test_monitor.py does)
 NVFP4_FROM_START = os.environ.get("NVFP4_FROM_START") == "1"  # set: NVFP4 from the first step (no BF16/FP8 stage)
+# MONITOR_ACTION: the monitor's action (default warn); its report goes beside OUT
 INJECT_INF_STEP = int(os.environ["INJECT_INF_STEP"]) if os.environ.get("INJECT_INF_STEP") else None
 
 if __name__ == "__main__":
@@ -146,7 +148,8 @@ if __name__ == "__main__":
         if INJECT_INF_STEP is not None:
             from nemo_fp4qat import QuantizationMonitor
 
-            monitor = QuantizationMonitor(every_n_steps=2, module_getter=megatron_module)
+            monitor = QuantizationMonitor(every_n_steps=2, module_getter=megatron_module, out_dir=str(Path(out).parent),
+                                          action=os.environ.get("MONITOR_ACTION", "warn"))  # fmt: skip
             extra = [monitor, InjectInf()]
         max_steps = STEPS // 2 if mode == "pretrain" else STEPS
         strategy = nl.MegatronStrategy(ckpt_async_save=False, tensor_model_parallel_size=TP,
@@ -193,4 +196,5 @@ if __name__ == "__main__":
                        "final_num_bits": list(final_q.num_bits), "final_fc1": fingerprint(model),
                        "block_clips": sorted(qat.controller.block_clips),
                        "nonfinite": [[f.layer, f.step, f.metric, f.value] for f in monitor.findings
-                                     if f.problem == "nonfinite"] if extra else None}, f)  # fmt: skip
+                                     if f.problem == "nonfinite"] if extra else None,
+                       "pins": qat.controller.pins}, f)  # fmt: skip
