@@ -147,7 +147,9 @@ def _lm_eval(args: argparse.Namespace, model: Any, tok: Any) -> int:
         else:
             names.append(item.strip())
     with tempfile.TemporaryDirectory() as tmp:
-        include.append(str(write_local_tasks(tmp)))
+        from .demo.model import load_corpus
+
+        include.append(str(write_local_tasks(tmp, load_corpus("persuasion"))))
         try:
             limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
             results = run_lm_eval(model, tok, names, include_path=include, limit=limit,

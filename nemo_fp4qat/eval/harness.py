@@ -5,8 +5,8 @@ results JSON is what dashboards read, so task scores go through it: :func:`run_l
 Hugging Face causal LM object, e.g. the one :func:`~nemo_fp4qat.export.deployed_model.load_deployed_model` rebuilds
 from an export's codes and scales) to lm-eval's ``HFLM`` and calls ``simple_evaluate``.
 
-Two tasks ship with the plugin so that everything runs offline on the demo's embedded corpus
-(:func:`write_local_tasks` writes their data and lm-eval task YAMLs):
+Two tasks ship with the plugin so that everything runs offline on held-out text (the command line uses the demo's
+embedded book; :func:`write_local_tasks` writes their data and lm-eval task YAMLs):
 
 * ``fp4qat_next_sentence``: multiple choice, the sentence that really follows a context in the held-out book
   (:func:`~nemo_fp4qat.eval.tasks.next_sentence_tasks`); metrics ``acc`` and ``acc_norm`` (lm-eval's: per byte);
@@ -66,15 +66,16 @@ metadata:
 """
 
 
-def write_local_tasks(directory: str | Path, n_mc: int = 100, n_passages: int = 8, passage_words: int = 200) -> Path:
-    """Write the shipped tasks' data (from the demo's held-out book, *Persuasion*) and lm-eval task YAMLs into
-    ``directory`` (returned; give it to :func:`run_lm_eval` as ``include_path``). Deterministic."""
-    from ..demo.model import load_corpus
+def write_local_tasks(
+    directory: str | Path, text: str, n_mc: int = 100, n_passages: int = 8, passage_words: int = 200
+) -> Path:
+    """Write the shipped tasks' data, made from the held-out ``text`` (the demo's: ``load_corpus("persuasion")``),
+    and lm-eval task YAMLs into ``directory`` (returned; give it to :func:`run_lm_eval` as ``include_path``).
+    Deterministic."""
     from .tasks import next_sentence_tasks
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    text = load_corpus("persuasion")
     mc = out / "fp4qat_next_sentence.jsonl"
     mc.write_text("".join(json.dumps(t) + "\n" for t in next_sentence_tasks(text, n=n_mc)))
     words = text.split()

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from nemo_fp4qat.demo.model import load_smollm2
+from nemo_fp4qat.demo.model import load_corpus, load_smollm2
 from nemo_fp4qat.eval.evaluation import choice_log_likelihoods, load_mc_tasks
 from nemo_fp4qat.eval.gate import QualityGate
 from nemo_fp4qat.eval.harness import LOCAL_TASKS, run_lm_eval, write_local_tasks
@@ -24,7 +24,7 @@ def test_lm_eval_scores_the_shipped_next_sentence_task_as_the_plugins_scorer(tmp
     per character of the choice) equals that normalisation applied to the plugin's per-choice log-likelihoods (the
     plugin's own ``acc_norm`` divides by tokens instead)."""
     model, tok = smollm2
-    tasks_dir = write_local_tasks(tmp_path / "tasks")
+    tasks_dir = write_local_tasks(tmp_path / "tasks", load_corpus("persuasion"))
     out = tmp_path / "lm_eval" / "results.json"
     res = run_lm_eval(model, tok, ["fp4qat_next_sentence"], include_path=tasks_dir, limit=8, batch_size=8, output=out)
     got = res["results"]["fp4qat_next_sentence"]
@@ -42,7 +42,7 @@ def test_lm_eval_scores_the_shipped_next_sentence_task_as_the_plugins_scorer(tmp
 
 def test_shipped_perplexity_task_and_the_gate_on_lm_eval_metrics(tmp_path, smollm2):
     model, tok = smollm2
-    tasks_dir = write_local_tasks(tmp_path / "tasks", n_passages=2, passage_words=60)
+    tasks_dir = write_local_tasks(tmp_path / "tasks", load_corpus("persuasion"), n_passages=2, passage_words=60)
     res = run_lm_eval(model, tok, list(LOCAL_TASKS), include_path=tasks_dir, limit=4, batch_size=8)
     ppl = res["results"]["fp4qat_heldout_perplexity"]
     assert 1.0 < ppl["byte_perplexity,none"] < ppl["word_perplexity,none"]
@@ -59,4 +59,4 @@ def test_shipped_perplexity_task_and_the_gate_on_lm_eval_metrics(tmp_path, smoll
 
 def test_unknown_task_is_refused_with_the_shipped_names(tmp_path, smollm2):
     with pytest.raises(ValueError, match=r"knows no task \['no_such_task'\].*fp4qat_next_sentence"):
-        run_lm_eval(*smollm2, ["no_such_task"], include_path=write_local_tasks(tmp_path))
+        run_lm_eval(*smollm2, ["no_such_task"], include_path=write_local_tasks(tmp_path, load_corpus("persuasion")))

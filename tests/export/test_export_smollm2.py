@@ -205,14 +205,14 @@ def test_smoothed_default_exports_exactly_and_keeps_the_full_precision_function(
 
 
 def test_demo_recipe_exports_for_trtllm_code_for_code_and_deploys_its_perplexity(tmp_path, smollm2):
-    """The demo's default deployable recipe (mlp_in smoothing folded into the norms + the NVFP4 block scale
-    search applied as a weight clip) changes the weights, not the checkpoint format: the TensorRT-LLM export
+    """The deployable levers (the demo's mlp_in smoothing folded into the norms + the NVFP4 block scale search
+    applied as a weight clip) change the weights, not the checkpoint format: the TensorRT-LLM export
     of the calibrated model validates 0 FP4 codes away from training, and the HF export, rebuilt as served,
     has the trained model's perplexity (the searched scales are derived again from the clipped weights)."""
     base, tok, calib = smollm2
     demo = DemoConfig()
     model = copy.deepcopy(base)
-    calibration = {"num_samples": 4, "smoothing": demo.smoothing, "block_scale_search": demo.block_scale_search}
+    calibration = {"num_samples": 4, "smoothing": demo.smoothing, "block_scale_search": True}
     ctl = QATController(policy=demo.layer_policy(), schedule="direct", calibration=calibration,
                         forward_fn=lambda m, b: m(b))  # fmt: skip
     ctl.prepare(model)
