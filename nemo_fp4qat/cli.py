@@ -75,13 +75,18 @@ def _eval(args: argparse.Namespace) -> int:
         return 0
     gate = QualityGate(max_ppl_increase_pct=args.max_ppl_increase, max_acc_drop=args.max_acc_drop,
                        candidate=args.candidate, baseline=args.baseline)  # fmt: skip
+    return _gate_verdict(lambda: gate.check(variants), f"{args.candidate} vs {args.baseline}")
+
+
+def _gate_verdict(check: Any, label: str) -> int:
+    """Run a quality-gate ``check``; print its verdict; exit status 0 passed, 1 failed, 2 the check was refused."""
     try:
-        res = gate.check(variants)
+        res = check()
     except ValueError as e:
         print(f"quality gate: {e}", file=sys.stderr)
         return 2
     if res.passed:
-        print(f"quality gate PASSED ({args.candidate} vs {args.baseline}): {res.checks}")
+        print(f"quality gate PASSED ({label}): {res.checks}")
         return 0
     for f in res.failures:
         print(f"quality gate FAILED: {f}", file=sys.stderr)
@@ -166,17 +171,8 @@ def _lm_eval(args: argparse.Namespace, model: Any, tok: Any) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     gate = QualityGate(max_ppl_increase_pct=args.max_ppl_increase, max_acc_drop=args.max_acc_drop)
-    try:
-        res = gate.check_lm_eval(results, json.loads(Path(args.baseline_results).read_text()))
-    except ValueError as e:
-        print(f"quality gate: {e}", file=sys.stderr)
-        return 2
-    if res.passed:
-        print(f"quality gate PASSED (lm-eval tasks vs {args.baseline_results}): {res.checks}")
-        return 0
-    for f in res.failures:
-        print(f"quality gate FAILED: {f}", file=sys.stderr)
-    return 1
+    baseline = json.loads(Path(args.baseline_results).read_text())
+    return _gate_verdict(lambda: gate.check_lm_eval(results, baseline), f"lm-eval tasks vs {args.baseline_results}")
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -90,9 +90,7 @@ def this_stage(saved: Any) -> Any:
     return stages[ps.get_pipeline_model_parallel_rank()]
 
 
-def pipeline_layer_offset(model: nn.Module) -> int:
-    """The global index of this stage's first transformer layer (``layer_number`` counts from 1)."""
-    return stage_layer_offset(model)
+pipeline_layer_offset = stage_layer_offset  # the name this module has exported
 
 
 def pipeline_forward(model: nn.Module, inputs: dict[str, Any]) -> Any:
@@ -123,13 +121,10 @@ def pipeline_forward(model: nn.Module, inputs: dict[str, Any]) -> Any:
     return out
 
 
-_to_global = to_global_name
-
-
 def _global_controller_state(state: dict[str, Any], offset: int) -> dict[str, Any]:
     out = dict(state)
-    out["current"] = {_to_global(m, offset): f for m, f in state["current"].items()}
-    out["ramps"] = {_to_global(q, offset): r for q, r in state["ramps"].items()}
+    out["current"] = {to_global_name(m, offset): f for m, f in state["current"].items()}
+    out["ramps"] = {to_global_name(q, offset): r for q, r in state["ramps"].items()}
     return out
 
 
@@ -180,7 +175,7 @@ def gather_pipeline_model(pl_module: Any, module: nn.Module, controller: Any) ->
     if ps.get_data_parallel_rank(with_context_parallel=True) == 0:  # one copy of each stage
         payload = {
             "tensors": {
-                _to_global(k, offset): v.detach().cpu()
+                to_global_name(k, offset): v.detach().cpu()
                 for k, v in module.state_dict().items()
                 if isinstance(v, torch.Tensor)
             },

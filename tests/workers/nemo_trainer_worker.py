@@ -175,17 +175,13 @@ if __name__ == "__main__":
         with open(f"{out}.rank{rank}" if DEVICES > 1 else out, "w") as f:
             from megatron.core import parallel_state
 
-            from nemo_fp4qat.nemo.pipeline import pipeline_layer_offset
+            from nemo_fp4qat.qat.stage_names import stage_layer_offset, to_global_name
 
             tp = parallel_state.get_tensor_model_parallel_world_size()
-            mm, offset = megatron_module(model), pipeline_layer_offset(megatron_module(model))
+            mm, offset = megatron_module(model), stage_layer_offset(megatron_module(model))
 
             def global_name(name):  # a stage's local layer index -> the model's
-                head, sep, rest = name.partition("decoder.layers.")
-                if not sep:
-                    return name
-                idx, _, tail = rest.partition(".")
-                return f"{head}decoder.layers.{int(idx) + offset}.{tail}"
+                return to_global_name(name, offset)
 
             weights = {global_name(n): p.detach().double().flatten()[:64].tolist() for n, p in mm.named_parameters()}
             json.dump({**marks, "tp": tp, "pp": parallel_state.get_pipeline_model_parallel_world_size(),
