@@ -5,10 +5,10 @@
 
 Sections (each records its result or its error, and the run goes on):
 
-1. ``parity``: NVFP4 / MXFP4 / MXFP6 / MXFP8 fake quant of the same tensors by this package's CPU kernel (equal to
-   modelopt's exporter) and, per format, by modelopt's CUDA kernel and this package's exact CUDA path (the Triton
-   NVFP4 kernel): elements that differ from the CPU kernel. With ``--cpu`` the exact kernel runs in triton's
-   interpreter and modelopt's CUDA kernels are not run.
+1. ``parity``: NVFP4 / MXFP4 / MXFP6 / MXFP8 / FP8 fake quant of the same tensors by this package's CPU kernel (equal
+   to modelopt's exporter) and, per format, by modelopt's CUDA kernel and this package's exact CUDA path (the Triton
+   NVFP4 kernel; FP8: torch's division by the exported scale): elements that differ from the CPU kernel. With
+   ``--cpu`` the exact kernel runs in triton's interpreter and modelopt's CUDA kernels are not run.
 2. ``qad``: QAD of the embedded SmolLM2-135M on the device (the Lightning path: ``FP4QATCallback`` with
    ``distillation="qad"``, default policy, direct schedule; ``--cpu``: a tiny random Llama) -> TensorRT-LLM and
    unified HF export, each validated against the trained model (FP4 codes that differ, with the exact kernel and,
@@ -40,7 +40,9 @@ PARITY_FORMATS: dict[str, dict[str, Any]] = {
     "mxfp6_e2m3": {"num_bits": (2, 3), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}},
     "mxfp6_e3m2": {"num_bits": (3, 2), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}},
     "mxfp8": {"num_bits": (4, 3), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}},
+    "fp8": {"num_bits": (4, 3), "axis": None},  # per tensor, static amax (the default policy's attention)
 }
+EXACT_FORMATS = ("nvfp4", "fp8")  # formats this package routes through its exact path on CUDA
 
 
 def log(*a: Any) -> None:
@@ -60,6 +62,7 @@ def parity(device: str, small: bool) -> list[dict[str, Any]]:
 
     from nemo_fp4qat import install_cpu_backend
     from nemo_fp4qat.numerics.cpu_backend import set_cuda_nvfp4_kernel
+    from nemo_fp4qat.numerics.fake_quant import fake_quant_fp8
     from nemo_fp4qat.numerics.triton_nvfp4 import triton_nvfp4
 
     install_cpu_backend()
@@ -75,18 +78,21 @@ def parity(device: str, small: bool) -> list[dict[str, Any]]:
                     rec: dict[str, Any] = {"format": name, "dtype": str(dtype).replace("torch.", ""),
                                            "shape": list(shape), "mag": mag, "numel": x.numel()}  # fmt: skip
                     q = TensorQuantizer(QuantizerAttributeConfig(**attrs))
-                    amax = x.float().abs().amax() * 0.9 if name == "nvfp4" else None  # some saturation too
+                    amax = x.float().abs().amax() * 0.9 if name in EXACT_FORMATS else None  # some saturation too
                     if amax is not None:
                         q.amax = amax
                     ref = q(x)  # the CPU kernel: the export path's arithmetic
-                    kernels = ("modelopt", "exact") if name == "nvfp4" else ("modelopt",)
+                    kernels = ("modelopt", "exact") if name in EXACT_FORMATS else ("modelopt",)
                     for kernel in kernels:
                         try:
                             if device == "cpu":
                                 if kernel == "modelopt":
-                                    rec[kernel] = {"skipped": "modelopt's block kernels run on CUDA only"}
+                                    rec[kernel] = {"skipped": "modelopt's kernels run on CUDA only"}
                                     continue
-                                y = triton_nvfp4(x, amax)  # triton's interpreter (TRITON_INTERPRET=1)
+                                if name == "fp8":  # the exact FP8 path is torch arithmetic: the reference itself
+                                    y = fake_quant_fp8(x, amax)
+                                else:
+                                    y = triton_nvfp4(x, amax)  # triton's interpreter (TRITON_INTERPRET=1)
                             else:
                                 previous = set_cuda_nvfp4_kernel(kernel)
                                 try:
@@ -317,6 +323,8 @@ def qad(device: str, small: bool, work: Path) -> dict[str, Any]:
                 finally:
                     set_cuda_nvfp4_kernel(previous)
                 entry["fp4_codes_different_modelopt_kernel"] = rep.numeric.get("fp4_codes_different", 0)
+                entry["validated_modelopt_kernel"] = rep.ok
+                entry["errors_modelopt_kernel"] = [str(p)[:300] for p in rep.errors[:3]] + [f"{len(rep.errors)} in all"]
             entry["ppl_device"] = _deployed_ppl(out, eval_ids, device, window, windows)
             entry["ppl_cpu"] = _deployed_ppl(out, eval_ids, "cpu", window, windows)
         except Exception as e:  # recorded; the other export goes on

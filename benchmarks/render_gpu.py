@@ -110,7 +110,7 @@ def render_check(d: dict[str, Any]) -> str:
             return _kernel_cell(next(r for r in recs if "mismatches" not in r))
 
         lines += ["Elements that differ from the CPU kernel (which equals modelopt's exporter, `NVFP4QTensor`):", "",
-                  "| format | elements | modelopt's CUDA kernel | exact CUDA path (Triton) |",
+                  "| format | elements | modelopt's CUDA kernel | exact CUDA path (NVFP4: Triton; FP8: torch) |",
                   "|---|---:|---:|---:|"]  # fmt: skip
         for fmt, a in agg.items():
             lines.append(f"| {fmt} | {a['numel']} | {total(a['modelopt'])} | {total(a['exact'])} |")
@@ -151,6 +151,8 @@ def render_check(d: dict[str, Any]) -> str:
                 lines.append(f"| {kind} | error: {first[:220]} | | | | | |")
                 continue
             mo = e.get("fp4_codes_different_modelopt_kernel", "not run")
+            if e.get("validated_modelopt_kernel") is False:
+                mo = f"{mo}; fails validation ({e['errors_modelopt_kernel'][-1]})"
             lines.append(f"| {kind} | {e['validated']} | {e['fp4_codes_compared']} | {e['fp4_codes_different_exact']} "
                          f"| {mo} | {e['ppl_device']:.3f} | {e['ppl_cpu']:.3f} |")  # fmt: skip
         lines.append("")

@@ -27,7 +27,7 @@ def test_gpu_check_runs_end_to_end_on_the_cpu_and_renders(tmp_path):
     # parity: the exact path equals the CPU kernel on every NVFP4 case; modelopt's CUDA kernels are not run here
     nvfp4 = [p for p in d["parity"] if p["format"] == "nvfp4"]
     assert len(nvfp4) == 18 and all(p["exact"] == {"mismatches": 0, "max_abs_diff": 0.0} for p in nvfp4)
-    assert {p["format"] for p in d["parity"]} == {"nvfp4", "mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8"}
+    assert {p["format"] for p in d["parity"]} == {"nvfp4", "mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8", "fp8"}
     assert all("skipped" in p["modelopt"] for p in d["parity"])
 
     # QAD -> both exports validated code for code, and the deployed export scores what the trained model scores

@@ -198,6 +198,33 @@ def _fp8_weights_divided_in_float32() -> Iterator[None]:
         unified_export_hf.to_quantized_weight = original
 
 
+@contextlib.contextmanager
+def _written_on_cpu(model: nn.Module) -> Iterator[None]:
+    """Quantize and write a GPU model's checkpoint from the CPU, then move it back.
+
+    modelopt's exporters compute scales and codes with the tensors' own device, and PyTorch's CUDA division by a
+    Python scalar multiplies by its reciprocal (``amax / 448``, ``amax / 6``): on a GPU the exported FP8 scales are an
+    ulp off and NVFP4 block scales and codes move (measured on an H200: 73,168 FP4 codes and 33 layers of a bf16
+    SmolLM2-shaped model), where the training kernels follow the exporter's CPU arithmetic. A single-process model
+    moves to the CPU for the writing (in place: the optimizer keeps its parameters); a model sharded over processes
+    stays where it is (its exporter gathers over the process group), and the validator still compares the codes."""
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    sharded = (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and (torch.distributed.get_world_size() > 1)
+    )
+    if device.type == "cpu" or sharded:
+        yield
+        return
+    model.to("cpu")
+    try:
+        yield
+    finally:
+        model.to(device)
+
+
 def _ensure_architectures(model: nn.Module) -> None:
     # modelopt's exporters read config.architectures[0]; HF models built from a config lack it
     if _is_hf_model(model) and not getattr(model.config, "architectures", None):
@@ -322,7 +349,7 @@ def export_checkpoint(
         _refuse_static_fused_qkv(model)
     with atomic_directory(out, overwrite=cfg.overwrite) as tmp:
         # W4A8 layers train with 6 x amax (w4a8_scaling); modelopt's exporter needs the true amax
-        with w4a8_export_amax(model):
+        with w4a8_export_amax(model), _written_on_cpu(model):
             if cfg.kind == "hf":
                 _export_hf(model, tmp, cfg)
                 declare_for_engines(tmp)

@@ -10,10 +10,12 @@ pass-through in 0.47). CUDA tensors: see below.
 On modelopt >= 0.47 we also register a named backend (``cfg["backend"] = "nemo_fp4qat_cpu"``) with
 ``register_quant_backend`` for users who want to select it explicitly in a quant config.
 
-FP8 (E4M3, per tensor or per channel) is not CUDA-only, but modelopt's eager CPU path multiplies by
-``448 / amax`` where its exporter divides by ``amax / 448``; for CPU tensors ``tensor_quant.fp8_eager``
-is wrapped the same way and computes with the exported scale (:func:`~.cpu_fake_quant.fake_quant_fp8`),
-so a CPU-trained FP8 layer exports to exactly the weights it trained with.
+FP8 (E4M3, per tensor or per channel) is not CUDA-only, but modelopt's fake quant (its eager path and its
+CUDA extension ``fake_e4m3fy``) multiplies by ``448 / amax`` where its exporter divides by ``amax / 448``, which
+moves elements next to an E4M3 rounding boundary by a whole step. ``tensor_quant.fp8_eager`` (CPU tensors) and
+``tensor_quant.scaled_e4m3_impl`` (CUDA tensors, unless the kernel choice below is ``"modelopt"``) are wrapped
+to compute with the exported scale (:func:`~.fake_quant.fake_quant_fp8`), so an FP8 layer trained on either
+device exports to exactly the weights it trained with.
 
 CUDA tensors: NVFP4 goes to :func:`~.triton_nvfp4.triton_nvfp4` by default, a Triton kernel that
 rounds exactly as modelopt's exporter (``NVFP4QTensor``) does, so what QAT trains on a GPU is what
@@ -21,7 +23,7 @@ the exported checkpoint runs (modelopt's own Triton kernel divides approximately
 exporter by a whole FP4 step on elements next to a rounding boundary). Only the op is replaced here
 too, so the straight-through estimator stays modelopt's. ``set_cuda_nvfp4_kernel("modelopt")``
 (``QATConfig(cuda_nvfp4_kernel="modelopt")``, or ``NEMO_FP4QAT_CUDA_NVFP4=modelopt``) goes back to
-modelopt's kernel; every other format on CUDA is always modelopt's.
+modelopt's kernel, for FP8 too; the MX formats on CUDA are always modelopt's (its kernels equal its exporter).
 
 modelopt >= 0.46's static per-block NVFP4 (weights after ``mse`` / ``local_hessian`` / Four-Over-Six
 calibration) and LSQ's FP4 cast are Triton-only in modelopt; :mod:`.static_nvfp4` runs them in torch on CPU
@@ -55,6 +57,7 @@ __all__ = [
 BACKEND_NAME = "nemo_fp4qat_cpu"
 _ORIGINAL_OP: Any = None
 _ORIGINAL_FP8: Any = None
+_ORIGINAL_FP8_IMPL: Any = None
 log = logging.getLogger("nemo_fp4qat")
 
 # NVFP4 fake quant of CUDA tensors: "exact" (the export path's rounding, Triton) or "modelopt" (its own kernel).
@@ -164,6 +167,13 @@ def _cpu_fp8_eager(x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
     return fake_quant_fp8(x, amax)
 
 
+def _exact_scaled_e4m3_impl(inputs: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """modelopt's ``scaled_e4m3_impl`` (FP8 fake quant) with the exporter's division on CUDA tensors."""
+    if inputs.device.type == "cpu" or amax is None or cuda_nvfp4_kernel() != "exact":
+        return _ORIGINAL_FP8_IMPL(inputs=inputs, amax=amax)  # CPU tensors reach fp8_eager (wrapped above)
+    return fake_quant_fp8(inputs, amax)
+
+
 def _backend_entrypoint(inputs: torch.Tensor, quantizer: Any) -> torch.Tensor:
     """modelopt 0.47 ``register_quant_backend`` entrypoint: same numerics, chosen by config."""
     from modelopt.torch.quantization import tensor_quant
@@ -190,7 +200,7 @@ def _backend_entrypoint(inputs: torch.Tensor, quantizer: Any) -> torch.Tensor:
 
 def install_cpu_backend() -> bool:
     """Install the CPU op hook (idempotent). Returns True if it is active afterwards."""
-    global _ORIGINAL_OP, _ORIGINAL_FP8
+    global _ORIGINAL_OP, _ORIGINAL_FP8, _ORIGINAL_FP8_IMPL
     if os.environ.get("NEMO_FP4QAT_CPU_BACKEND", "1") == "0":
         return False
     from modelopt.torch.quantization import tensor_quant
@@ -203,6 +213,10 @@ def install_cpu_backend() -> bool:
         _ORIGINAL_FP8 = tensor_quant.fp8_eager
         functools.update_wrapper(_cpu_fp8_eager, _ORIGINAL_FP8, updated=())
         tensor_quant.fp8_eager = _cpu_fp8_eager
+    if _ORIGINAL_FP8_IMPL is None:
+        _ORIGINAL_FP8_IMPL = tensor_quant.scaled_e4m3_impl
+        functools.update_wrapper(_exact_scaled_e4m3_impl, _ORIGINAL_FP8_IMPL, updated=())
+        tensor_quant.scaled_e4m3_impl = _exact_scaled_e4m3_impl
     from .static_nvfp4 import install_static_nvfp4
 
     install_static_nvfp4()  # modelopt >= 0.46: static per-block NVFP4 and LSQ's FP4 cast
@@ -218,7 +232,7 @@ def install_cpu_backend() -> bool:
 
 def uninstall_cpu_backend() -> None:
     """Restore modelopt's original op (and drop the named backend where registered)."""
-    global _ORIGINAL_OP, _ORIGINAL_FP8
+    global _ORIGINAL_OP, _ORIGINAL_FP8, _ORIGINAL_FP8_IMPL
     from modelopt.torch.quantization import tensor_quant
 
     if _ORIGINAL_OP is not None:
@@ -227,6 +241,9 @@ def uninstall_cpu_backend() -> None:
     if _ORIGINAL_FP8 is not None:
         tensor_quant.fp8_eager = _ORIGINAL_FP8
         _ORIGINAL_FP8 = None
+    if _ORIGINAL_FP8_IMPL is not None:
+        tensor_quant.scaled_e4m3_impl = _ORIGINAL_FP8_IMPL
+        _ORIGINAL_FP8_IMPL = None
     from .static_nvfp4 import uninstall_static_nvfp4
 
     uninstall_static_nvfp4()
@@ -245,4 +262,5 @@ def cpu_backend_installed() -> bool:
     return (
         tensor_quant.dynamic_block_quantize_op is _cpu_dynamic_block_quantize_op
         and tensor_quant.fp8_eager is _cpu_fp8_eager
+        and tensor_quant.scaled_e4m3_impl is _exact_scaled_e4m3_impl
     )

@@ -319,7 +319,9 @@ def fake_quant_fp8(
         if amax is None:
             raise ValueError("fake_quant_fp8 needs amax (training) or scale (an exported scale).")
         a = amax.to(device=x.device, dtype=torch.float32)
-        scale = torch.where(a <= _FP8_AMAX_EPS, torch.ones_like(a), a) / 448.0  # the exported weight_scale
+        # the exported weight_scale; divided by a device tensor: PyTorch's CUDA division by a Python scalar
+        # multiplies by its reciprocal (1/448 is inexact), which is not the exporter's correctly rounded quotient
+        scale = torch.where(a <= _FP8_AMAX_EPS, torch.ones_like(a), a) / torch.full((), 448.0, device=a.device)
     dtype = x.dtype
     q = (x.to(torch.float32) / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     return (q.to(torch.float32) * scale).to(dtype)

@@ -96,6 +96,30 @@ def test_non_cpu_tensors_go_to_modelopts_original_op(monkeypatch):
     assert len(seen) == 2 and cpu_out.shape == (4, 16)
 
 
+def test_fp8_of_non_cpu_tensors_divides_by_the_exported_scale(monkeypatch):
+    """modelopt's FP8 fake quant of a CUDA tensor (its ``fake_e4m3fy`` extension multiplies by 448 / amax) goes to
+    ``fake_quant_fp8`` (the exporter's division) by default, and to modelopt's own when the kernel is "modelopt";
+    reached through ``_quantize_impl`` (modelopt's CPU / CUDA implementation of its ``quantize_op``), so the patched
+    name is the one modelopt calls."""
+    from modelopt.torch.quantization import tensor_quant
+
+    seen = []
+    monkeypatch.setattr(cpu_backend, "fake_quant_fp8", lambda x, amax: seen.append(("exact", x.device.type)) or x)
+    monkeypatch.setattr(cpu_backend, "_ORIGINAL_FP8_IMPL", lambda inputs, amax: seen.append(("modelopt", 0)) or inputs)
+    x, amax = torch.empty(4, 32, device="meta"), torch.empty((), device="meta")
+    out = tensor_quant._quantize_impl(x, amax, num_bits=8, exponent_bits=4, unsigned=False, narrow_range=False)
+    assert seen == [("exact", "meta")] and out is x
+    previous = cpu_backend.set_cuda_nvfp4_kernel("modelopt")
+    try:
+        tensor_quant._quantize_impl(x, amax, num_bits=8, exponent_bits=4, unsigned=False, narrow_range=False)
+    finally:
+        cpu_backend.set_cuda_nvfp4_kernel(previous)
+    assert seen[-1] == ("modelopt", 0)
+    cpu_x = torch.randn(4, 32)
+    tensor_quant._quantize_impl(cpu_x, torch.tensor(1.0), num_bits=8, exponent_bits=4, narrow_range=False)
+    assert len(seen) == 3 and seen[-1] == ("modelopt", 0)  # CPU tensors: modelopt's impl, then fp8_eager (wrapped)
+
+
 def test_uninstall_restores_modelopt_op():
     from modelopt.torch.quantization import tensor_quant
 
@@ -103,6 +127,7 @@ def test_uninstall_restores_modelopt_op():
     try:
         assert tensor_quant.dynamic_block_quantize_op is not cpu_backend._cpu_dynamic_block_quantize_op
         assert tensor_quant.fp8_eager is not cpu_backend._cpu_fp8_eager
+        assert tensor_quant.scaled_e4m3_impl is not cpu_backend._exact_scaled_e4m3_impl
         m = _mlp()
         mtq.quantize(m, mtq.NVFP4_DEFAULT_CFG, lambda mm: mm(torch.randn(2, 64)))
         with pytest.raises((AssertionError, RuntimeError)):  # modelopt alone cannot fake-quant NVFP4 on a CPU
