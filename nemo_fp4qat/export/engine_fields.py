@@ -5,8 +5,11 @@ modelopt's exporter writes ``hf_quant_config.json`` (TensorRT-LLM's LLM API read
 mixed-precision checkpoint (the layer-wise policies' usual output) it names the quantized layers only: the layers
 a policy keeps in 16 bits are named nowhere (``exclude_modules`` / ``ignore`` empty), so an engine that quantizes
 by default would quantize them; ``config.json`` carries no ``kv_cache_quant_algo`` (SGLang then reads the other
-file), and ``hf_quant_config.json`` no ``quant_method``. :func:`declare_for_engines` completes both files from the
-written tensors; nothing else is changed.
+file), and ``hf_quant_config.json`` no ``quant_method``. The engines fuse q/k/v into ``qkv_proj`` and gate/up into
+``gate_up_proj``: vLLM and recent SGLang find a fused layer's format through its shards, SGLang's exact-name lookup
+and TensorRT-LLM's ``gate_up_proj`` match read the fused name itself, so each fused layer whose shards share one
+format (the export preflight refuses any other) is also listed under its fused name. :func:`declare_for_engines`
+completes both files from the written tensors; nothing else is changed.
 """
 
 from __future__ import annotations
@@ -16,7 +19,14 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["declare_for_engines", "engine_field_problems", "unquantized_linears"]
+__all__ = [
+    "FUSED_SHARDS",
+    "declare_for_engines",
+    "engine_field_problems",
+    "fused_aliases",
+    "is_fused_alias",
+    "unquantized_linears",
+]
 
 # the input token embedding: a lookup table, never a linear layer an engine would quantize
 _INPUT_EMBEDDING = re.compile(r"(^|\.)(embed_tokens|embed_in|wte|word_embeddings|vocab_embedding)$")
@@ -32,6 +42,32 @@ def _weight_shapes(out: Path) -> dict[str, tuple[int, ...]]:
                 if key.endswith(".weight"):
                     shapes[key[: -len(".weight")]] = tuple(st.get_slice(key).get_shape())
     return shapes
+
+
+# fused module the engines build -> the checkpoint's shards it is made of (Llama, Mistral, Qwen naming)
+FUSED_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def fused_aliases(quantized: dict[str, Any]) -> dict[str, Any]:
+    """``quantized_layers`` entries for the engines' fused modules: ``<prefix>.qkv_proj`` where q/k/v are all listed
+    with one format, ``<prefix>.gate_up_proj`` likewise for gate/up."""
+    out: dict[str, Any] = {}
+    for name, entry in quantized.items():
+        prefix, _, leaf = name.rpartition(".")
+        for fused, shards in FUSED_SHARDS.items():
+            if leaf != shards[0]:
+                continue
+            entries = [quantized.get(f"{prefix}.{s}") for s in shards]
+            if all(e == entry for e in entries):
+                out[f"{prefix}.{fused}"] = dict(entry)
+    return out
+
+
+def is_fused_alias(name: str, quantized: dict[str, Any]) -> bool:
+    """Whether ``name`` is a fused-module entry of ``quantized`` (its shards listed), not a checkpoint module."""
+    prefix, _, leaf = name.rpartition(".")
+    shards = FUSED_SHARDS.get(leaf)
+    return shards is not None and all(f"{prefix}.{s}" in quantized for s in shards)
 
 
 def unquantized_linears(out: str | Path, quantized: dict[str, Any]) -> list[str]:
@@ -59,9 +95,12 @@ def declare_for_engines(out: str | Path) -> None:
     q = hq.setdefault("quantization", {})
     hq.setdefault("quant_method", "modelopt")
     excluded = list(q.get("exclude_modules") or [])
+    aliases: dict[str, Any] = {}
     if q.get("quant_algo") == "MIXED_PRECISION":
         excluded = sorted(set(excluded) | set(unquantized_linears(out, q.get("quantized_layers") or {})))
         q["exclude_modules"] = excluded
+        aliases = fused_aliases(q.get("quantized_layers") or {})
+        q["quantized_layers"] = {**(q.get("quantized_layers") or {}), **aliases}
     hq_path.write_text(json.dumps(hq, indent=4))
     if not cfg_path.is_file():
         return
@@ -70,6 +109,8 @@ def declare_for_engines(out: str | Path) -> None:
     if isinstance(qc, dict):
         qc["ignore"] = sorted(set(qc.get("ignore") or []) | set(excluded))
         qc.setdefault("kv_cache_quant_algo", q.get("kv_cache_quant_algo"))
+        if isinstance(qc.get("quantized_layers"), dict):
+            qc["quantized_layers"] = {**qc["quantized_layers"], **aliases}
         cfg_path.write_text(json.dumps(config, indent=2))
 
 
@@ -92,8 +133,17 @@ def engine_field_problems(out: str | Path) -> list[tuple[str, str]]:
             more = " ..." if len(missing) > 4 else ""
             problems.append(("hf_quant_config.json", f"exclude_modules does not name the 16-bit linear layers "
                              f"{missing[:4]}{more} (engines would quantize them)"))  # fmt: skip
+    layers = q.get("quantized_layers") or {}
+    if q.get("quant_algo") == "MIXED_PRECISION":
+        lacking = [n for n, e in fused_aliases(layers).items() if layers.get(n) != e]
+        if lacking:
+            problems.append(("hf_quant_config.json", f"quantized_layers does not name the fused layers {lacking[:2]} "
+                             "(SGLang looks their format up by that name)"))  # fmt: skip
     qc = json.loads(cfg_path.read_text()).get("quantization_config") if cfg_path.is_file() else None
     if isinstance(qc, dict):
+        if q.get("quant_algo") == "MIXED_PRECISION" and qc.get("quantized_layers") != layers:
+            problems.append(("config.json", "quantization_config.quantized_layers is not hf_quant_config.json's (vLLM "
+                             "and SGLang read config.json first; without it vLLM refuses the checkpoint)"))  # fmt: skip
         if "kv_cache_quant_algo" not in qc or qc["kv_cache_quant_algo"] != q.get("kv_cache_quant_algo"):
             problems.append(("config.json", f"quantization_config.kv_cache_quant_algo is not "
                              f"{q.get('kv_cache_quant_algo')!r} (hf_quant_config.json's)"))  # fmt: skip

@@ -35,6 +35,7 @@ from ..qat.scale_levers import fold_learned_scales
 from ..qat.w4a8_scaling import w4a8_export_amax
 from ..specs import from_fields
 from .atomic import atomic_directory, write_manifest
+from .engine_dtype import round_unquantized_tensors
 from .engine_fields import declare_for_engines
 from .engine_plan import EnginePlan, write_engine_plan
 from .runtime_support import RUNTIMES, ExportRefused, preflight
@@ -62,9 +63,11 @@ class ExportConfig:
         dtype: dtype of the unquantized tensors (embeddings, norms, lm_head); None keeps the model's.
             ``"trtllm"`` checkpoints hold 16-bit tensors only (what TensorRT-LLM's kernels take; modelopt writes
             nothing else): a bfloat16 or float16 model's are written in its own dtype, exactly; a float32 model's
-            in float16, whose 10 mantissa bits round them less than bfloat16's 7 (the unified HF checkpoint keeps
-            float32). modelopt casts before packing, so a dtype other than the training dtype changes rounding
-            (validation then reports the FP4 codes that moved).
+            in float16, whose 10 mantissa bits round them less than bfloat16's 7. The unified HF checkpoint keeps
+            a float32 model's float32 unless asked (``"bfloat16"`` / ``"float16"``: what TensorRT-LLM, vLLM and
+            SGLang run); it is then packed from the float32 weights and only its unquantized tensors are rounded,
+            so the FP4 / FP8 codes stay the trained ones. For a 16-bit model modelopt casts before packing, so a
+            dtype other than the training dtype changes rounding (validation then reports the codes that moved).
         decoder_type: modelopt decoder type for ``"trtllm"`` (``"llama"``, ``"gpt"`` ...); inferred if None.
         overwrite: replace an existing directory (only once the new export is complete).
         validate: re-read and check the written checkpoint against the model before publishing it.
@@ -144,9 +147,27 @@ def _export_hf(model: nn.Module, out: Path, cfg: ExportConfig) -> None:
     # so the trained model stays usable (the training run may go on, or be evaluated after export).
     work = copy.deepcopy(model)
     _ensure_architectures(work)
+    packed, declared = _hf_dtypes(model, cfg)
     with modelopt_export_on_cpu(), _fp8_weights_divided_in_float32(), torch.inference_mode():
-        export_hf_checkpoint(work, dtype=_dtype(model, cfg), export_dir=str(out))
+        export_hf_checkpoint(work, dtype=packed, export_dir=str(out))
     del work
+    round_unquantized_tensors(out, declared)
+
+
+def _hf_dtypes(model: nn.Module, cfg: ExportConfig) -> tuple[torch.dtype, torch.dtype]:
+    """(the dtype modelopt packs from, the dtype the checkpoint declares): a float32 model asked for a 16-bit
+    checkpoint is packed from its float32 weights, its unquantized tensors rounded afterwards (engine_dtype.py)."""
+    declared = _dtype(model, cfg)
+    trained = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    if trained == torch.float32 and declared != torch.float32:
+        return torch.float32, declared
+    if declared == torch.float32 and cfg.runtime == "trtllm":
+        log.warning(
+            "The unified HF checkpoint declares float32 (the model's dtype): TensorRT-LLM, vLLM and SGLang run 16-bit "
+            "activations (vLLM downcasts it to bfloat16). Export with dtype='bfloat16' or 'float16' to write and "
+            "validate what they run (the FP4 codes stay those trained; embeddings and norms are rounded once)."
+        )
+    return declared, declared
 
 
 def _export_mcore_hf(model: nn.Module, out: Path, cfg: ExportConfig) -> None:
@@ -167,8 +188,10 @@ def _export_mcore_hf(model: nn.Module, out: Path, cfg: ExportConfig) -> None:
             "export={'kind': 'hf', 'hf_model': '/path/to/hf_model'} (its config.json and tokenizer are written "
             "beside the weights), or use kind='trtllm'."
         )
+    packed, declared = _hf_dtypes(model, cfg)
     with modelopt_export_on_cpu(), _fp8_weights_divided_in_float32(), torch.inference_mode():
-        export_mcore_gpt_to_hf(model, cfg.hf_model, dtype=_dtype(model, cfg), export_dir=str(out))
+        export_mcore_gpt_to_hf(model, cfg.hf_model, dtype=packed, export_dir=str(out))
+    round_unquantized_tensors(out, declared)
 
 
 @contextlib.contextmanager

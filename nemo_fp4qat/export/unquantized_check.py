@@ -1,7 +1,7 @@
 """The unquantized tensors of an export (embeddings, norms, lm_head, biases) against the trained model's.
 
-Each must equal the model's tensor rounded to the checkpoint's dtype, and a TensorRT-LLM checkpoint's must be
-in the dtype its ``config.json`` declares: an export whose embeddings or norms were written in another dtype
+Each must equal the model's tensor rounded to the checkpoint's dtype, and be in the dtype its ``config.json``
+declares (what an engine loads it as): an export whose embeddings or norms were written in another dtype
 than asked, or from other weights, would evaluate differently from the trained model although every FP4 code
 matched.
 """
@@ -94,12 +94,13 @@ def compare_unquantized(
         quantized: the modules whose ``weight`` is quantized (their weights are the FP4/FP8 check's).
         model: the trained model.
         kind: ``"hf"`` or ``"trtllm"``.
-        config: a TensorRT-LLM checkpoint's ``config.json`` (its ``dtype``), else empty.
+        config: the checkpoint's ``config.json`` (the dtype it declares), or empty.
     """
     state = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     # the exporter folds the smoothing scales it re-derives (AWQ, SmoothQuant siblings) into the norms before them
     refolded = bool(rep.numeric.get("resmoothed_layers"))
-    declared = config.get("dtype") if kind == "trtllm" else None
+    # TensorRT-LLM: config.json's dtype; unified HF: torch_dtype (transformers < 5) or dtype
+    declared = config.get("dtype") if kind == "trtllm" else config.get("torch_dtype") or config.get("dtype")
     num = rep.numeric
     for name, t in sorted(tensors.items()):
         mod, _, attr = name.rpartition(".")

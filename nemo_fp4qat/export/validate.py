@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from .atomic import file_sha256, read_manifest
-from .engine_fields import engine_field_problems
+from .engine_fields import engine_field_problems, is_fused_alias
 from .layout import FLOAT_DTYPES, SCALE_NAMES, check_layout, layer_layout
 from .reader import group_by_module, load_export, merge_ranks
 from .runtime_support import RUNTIMES, TRTLLM_KV_CACHE_QUANT_ALGOS, TRTLLM_QUANT_ALGOS
@@ -145,7 +145,7 @@ def validate_export(
         compare_unquantized(rep, tensors, quantized, model, kind, config)
 
     for mod in mixed:
-        if mod not in mods:
+        if mod not in mods and not is_fused_alias(mod, mixed):
             rep.error(mod, "listed in quantized_layers but the checkpoint has no tensors for it.")
 
     # fused siblings: TRT-LLM loads q/k/v and gate/up as one GEMM with one input_scale / weight_scale_2

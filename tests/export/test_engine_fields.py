@@ -39,6 +39,14 @@ def test_mixed_precision_export_names_its_16_bit_linears_and_kv_cache_for_the_en
         "kv_cache_quant_algo" in qc
         and qc["kv_cache_quant_algo"] == hq["quantization"]["kv_cache_quant_algo"] == want_kv
     )
+    # the engines' fused layers, by name, in the format their shards share; the same table in both files
+    layers = hq["quantization"]["quantized_layers"]
+    for i in (0, 1):
+        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        assert layers[f"{attn}.qkv_proj"] == layers[f"{attn}.q_proj"] == {"quant_algo": "FP8"}
+        assert layers[f"{mlp}.gate_up_proj"] == layers[f"{mlp}.gate_proj"]
+        assert layers[f"{mlp}.gate_up_proj"]["quant_algo"] == "NVFP4"
+    assert qc["quantized_layers"] == layers
     assert validate_export(out).ok
 
 
@@ -57,8 +65,16 @@ def test_single_format_export_keeps_modelopts_exclusions_and_adds_them_to_ignore
         (lambda hq, qc: hq.pop("quant_method"), "hf_quant_config.json", "no quant_method"),
         (lambda hq, qc: qc.pop("kv_cache_quant_algo"), "config.json", "kv_cache_quant_algo"),
         (lambda hq, qc: qc.update(ignore=[]), "config.json", "ignore lacks ['lm_head']"),
+        (
+            lambda hq, qc: [
+                d["quantized_layers"].pop("model.layers.0.self_attn.qkv_proj") for d in (hq["quantization"], qc)
+            ],
+            "hf_quant_config.json",
+            "does not name the fused layers ['model.layers.0.self_attn.qkv_proj']",
+        ),
+        (lambda hq, qc: qc.pop("quantized_layers"), "config.json", "quantization_config.quantized_layers"),
     ],
-    ids=["exclude_modules", "quant_method", "kv_cache_quant_algo", "ignore"],
+    ids=["exclude_modules", "quant_method", "kv_cache_quant_algo", "ignore", "fused_names", "config_layers"],
 )
 def test_validator_reports_an_engine_field_the_checkpoint_lacks(tmp_path, edit, where, message):
     src = export_checkpoint(calibrated_tiny_llama("default"), tmp_path / "hf", ExportConfig(kind="hf"))

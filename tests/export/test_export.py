@@ -696,6 +696,42 @@ def test_trtllm_checkpoints_unquantized_tensors_are_the_models_in_the_checkpoint
         ExportConfig(kind="trtllm", dtype="float32")
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_float32_models_hf_checkpoint_in_a_16_bit_dtype_keeps_the_trained_codes(tmp_path, dtype):
+    """A float32 model's unified HF checkpoint asked for the 16-bit dtype the engines run declares it, holds its
+    embeddings, norms and lm_head rounded once to it, and keeps every FP4 code and scale of the float32 export
+    (packed from the float32 weights; modelopt alone casts before packing, so codes would move); it validates.
+    A config.json that declares another dtype than the tensors' is named."""
+    model = calibrated_tiny_llama("nvfp4", seed=3)
+    full = export_checkpoint(model, tmp_path / "f32", ExportConfig(kind="hf"))
+    half = export_checkpoint(model, tmp_path / dtype, ExportConfig(kind="hf", dtype=dtype))
+    want = getattr(torch, dtype)
+    assert json.loads((full / "config.json").read_text())["torch_dtype"] == "float32"
+    assert json.loads((half / "config.json").read_text())["torch_dtype"] == dtype
+    a, b = load_file(str(full / "model.safetensors")), load_file(str(half / "model.safetensors"))
+    assert a.keys() == b.keys()
+    rounded = 0
+    for k, t in b.items():
+        if t.dtype == want:  # an unquantized tensor: the float32 export's, rounded once
+            assert a[k].dtype == torch.float32 and torch.equal(t, a[k].to(want)), k
+            rounded += 1
+        else:  # packed codes and scales: exactly the float32 export's
+            same_bits = torch.equal(t.reshape(-1).view(torch.uint8), a[k].reshape(-1).view(torch.uint8))
+            assert t.dtype == a[k].dtype and same_bits, k
+    assert rounded >= 1 + 2 * 2 + 1  # embedding, 2 norms per layer, final norm
+    rep = validate_export(half, model=model)
+    assert rep.ok, rep.format()
+    assert rep.numeric["fp4_codes_different"] == 0 and rep.numeric["unquantized_compared"] >= rounded
+    other = "float16" if dtype == "bfloat16" else "bfloat16"
+    bad = tmp_path / "declares_other"
+    shutil.copytree(half, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["torch_dtype"] = other
+    (bad / "config.json").write_text(json.dumps(cfg))
+    errs = _errors(validate_export(bad, model=model, require_manifest=False))
+    assert errs["model.norm.weight"] == f"stored as torch.{dtype} but config.json declares dtype {other!r}."
+
+
 @pytest.mark.parametrize("kind", ["hf", "trtllm"])
 def test_unquantized_tensors_that_differ_from_the_model_are_named(tmp_path, kind):
     """The validator compares the unquantized tensors too: a norm the model has changed since the export (as if
