@@ -94,18 +94,35 @@ class EnginePlan:
         ]
 
 
+def deployment_notes(formats: list[str] | None) -> list[str]:
+    """Where the engines run the checkpoint's formats as trained (from their loaders and kernels, December 2026)."""
+    fmts = {f.lower() for f in formats or []}
+    notes = []
+    if any(f.startswith("nvfp4") for f in fmts):
+        notes.append(
+            "NVFP4 layers run as trained (FP4 weights and activations) on Blackwell GPUs only: TensorRT-LLM has no "
+            "NVFP4 kernel before Blackwell; vLLM and SGLang run them weight-only on Hopper / Ada (16-bit "
+            "activations, not what was trained); no engine runs NVFP4 on a CPU (nemo-fp4qat serve does, unpacked)."
+        )
+    if any(f.startswith("mx") for f in fmts):
+        notes.append("MX layers: TensorRT-LLM serves MXFP4 only as W4A8_MXFP4_FP8 / W4A16_MXFP4, on Blackwell.")
+    return notes
+
+
 def write_engine_plan(directory: Path, plan: EnginePlan, kind: str, tensor_parallel: int, info: dict[str, Any]) -> None:
     """Write ``engine_plan.json`` and ``build_engine.sh`` into ``directory``."""
     final_dir = info.get("final_dir", str(directory))
     cmds = plan.commands(final_dir, kind, tensor_parallel, info.get("formats"))
-    payload = {**asdict(plan), "checkpoint_kind": kind, "tensor_parallel": tensor_parallel, **info, "commands": cmds}
+    notes = deployment_notes(info.get("formats"))
+    payload = {**asdict(plan), "checkpoint_kind": kind, "tensor_parallel": tensor_parallel, **info, "commands": cmds,
+               "deployment": notes}  # fmt: skip
     (Path(directory) / PLAN_JSON).write_text(json.dumps(payload, indent=2))
     script = [
         "#!/usr/bin/env bash",
         "# Written by nemo-fp4qat export; run on a GPU machine with TensorRT-LLM.",
         "set -e",
     ]
-    script += cmds
+    script += [f"# {n}" for n in notes] + cmds
     if kind == "hf":  # task scores of the deployed checkpoint, as lm-evaluation-harness computes them
         script += [
             "# lm-evaluation-harness on the served checkpoint (vLLM backend; pip install lm-eval vllm):",

@@ -37,7 +37,7 @@ from ..specs import from_fields
 from .atomic import atomic_directory, write_manifest
 from .engine_dtype import round_unquantized_tensors
 from .engine_fields import declare_for_engines
-from .engine_plan import EnginePlan, write_engine_plan
+from .engine_plan import EnginePlan, deployment_notes, write_engine_plan
 from .runtime_support import RUNTIMES, ExportRefused, preflight
 
 __all__ = ["EXPORT_KINDS", "ExportConfig", "ExportValidationError", "export_checkpoint"]
@@ -382,6 +382,8 @@ def export_checkpoint(
         formats = sorted({lf.weight.name for lf in layers})
         info = {"final_dir": str(out.resolve()), "formats": formats, "runtime": cfg.runtime}
         write_engine_plan(tmp, cfg.plan, cfg.kind, cfg.tensor_parallel, info)
+        for note in deployment_notes(formats) if cfg.runtime == "trtllm" else []:
+            log.warning("%s", note)
         if cfg.validate:
             from .validate import validate_export
 

@@ -115,3 +115,19 @@ def test_fused_siblings_in_different_formats_are_refused_before_anything_is_writ
                        r"k_proj=fp8/fp8, v_proj=fp8/fp8, weight/input\)"):  # fmt: skip
         export_checkpoint(model, tmp_path / "hf", ExportConfig(kind="hf"))
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize(("policy", "nvfp4"), [("default", True), ("fp8", False)])
+def test_the_plan_says_where_nvfp4_runs_as_trained(tmp_path, policy, nvfp4, caplog):
+    """NVFP4 checkpoints say, in the plan, the engine script and the export's log, that they run as trained on
+    Blackwell only (weight-only in vLLM / SGLang before it, nowhere on a CPU); an FP8 checkpoint says nothing."""
+    with caplog.at_level("WARNING", logger="nemo_fp4qat"):
+        out = export_checkpoint(calibrated_tiny_llama(policy), tmp_path / "hf", ExportConfig(kind="hf"))
+    notes = json.loads((out / "engine_plan.json").read_text())["deployment"]
+    script = (out / "build_engine.sh").read_text()
+    logged = [r.getMessage() for r in caplog.records if "Blackwell" in r.getMessage()]
+    if not nvfp4:
+        assert notes == [] and "Blackwell" not in script and not logged
+        return
+    assert len(notes) == 1 and "Blackwell GPUs only" in notes[0] and "weight-only on Hopper / Ada" in notes[0]
+    assert f"# {notes[0]}" in script.splitlines() and logged == notes
