@@ -27,6 +27,7 @@ front ends, so policies, schedules, calibration and export behave identically):
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
@@ -41,6 +42,13 @@ from ..qat.config import QATConfig
 from ..qat.controller import QATController
 from ..qat.distillation import DistillationConfig
 from ..qat.megatron_distillation import MegatronDistiller, freeze, frozen_copy
+from ..qat.pipeline_parallel import (
+    StagedForward,
+    every_stage,
+    gather_pipeline_model,
+    modelopt_single_process,
+    this_stage,
+)
 from ..specs import ConfigError, from_fields
 
 __all__ = ["STATE_FILE", "TEACHER_FILE", "FP4QATBridgeCallback", "bridge_gpt_forward"]
@@ -48,6 +56,7 @@ __all__ = ["STATE_FILE", "TEACHER_FILE", "FP4QATBridgeCallback", "bridge_gpt_for
 log = logging.getLogger("nemo_fp4qat")
 STATE_FILE = "nemo_fp4qat_state.pt"
 TEACHER_FILE = "nemo_fp4qat_teacher.pt"
+_RESTART_HINT = "start from it with cfg.checkpoint.pretrained_checkpoint instead of resuming"
 
 try:  # subclass Bridge's Callback where Bridge is installed (its CallbackManager accepts only those)
     from megatron.bridge.training.callbacks import Callback as _BridgeCallback
@@ -184,6 +193,8 @@ class FP4QATBridgeCallback(_BridgeCallback):
         self._load_dir: str | None = None
         self.exported: Path | None = None
         self._installed = False
+        self._staged: StagedForward | None = None
+        self._provider: Any = None
 
     # --- set-up ---------------------------------------------------------------------------------
     def install(self, cfg: Any) -> Any:
@@ -197,14 +208,29 @@ class FP4QATBridgeCallback(_BridgeCallback):
         from megatron.bridge.training.utils.checkpoint_utils import checkpoint_exists
 
         model = cfg.model
-        for field in ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size"):
-            if (getattr(model, field, None) or 1) > 1:
-                raise ConfigError(
-                    f"{field}={getattr(model, field)}: the Megatron-Bridge front end runs tensor and data "
-                    "parallelism, QAD included; its calibration through Bridge's pipeline schedules and per-stage "
-                    f"QAT state are not implemented yet. Set {field}=1 and raise tensor_model_parallel_size to fit "
-                    "the model."
-                )
+        if (getattr(model, "virtual_pipeline_model_parallel_size", None) or 1) > 1:
+            raise ConfigError(
+                f"virtual_pipeline_model_parallel_size={model.virtual_pipeline_model_parallel_size}: the interleaved "
+                "schedule's model chunks are not supported; set it to None (pipeline parallelism itself is)."
+            )
+        pp = getattr(model, "pipeline_model_parallel_size", None) or 1
+        if pp > 1 and self.qad is not None:
+            raise ConfigError(
+                f"distillation (QAD) with pipeline_model_parallel_size={pp}: the teacher would have to run through "
+                "the pipeline beside the student, which is not implemented. Distil at pipeline_model_parallel_size=1 "
+                "(raise tensor_model_parallel_size to fit the model), or train without distillation."
+            )
+        if pp > 1 and getattr(model, "tensor_model_parallel_size", 1) > 1 and self.config.export_dir:
+            raise ConfigError(
+                f"export_dir with tensor_model_parallel_size={model.tensor_model_parallel_size} and "
+                f"pipeline_model_parallel_size={pp}: the end-of-training export assembles the stages but does not "
+                "merge tensor-parallel shards. Export from the saved checkpoint at tensor_model_parallel_size=1, or "
+                "leave export_dir unset."
+            )
+        self._staged = StagedForward(bridge_gpt_forward) if pp > 1 else None
+        if self._staged is not None:
+            self.controller.forward_fn = self._staged
+        self._provider = model
         model.gradient_accumulation_fusion = False
         load = getattr(cfg.checkpoint, "load", None)
         self.resuming = bool(load) and checkpoint_exists(load)
@@ -268,6 +294,8 @@ class FP4QATBridgeCallback(_BridgeCallback):
     def on_train_start(self, context: Any) -> None:
         model = _unwrap(context.model)
         step = int(context.state.train_state.step)
+        if self._staged is not None:
+            self._staged.setup()  # every rank, before any calibration forward
         if self.resuming and step > 0:
             self._restore(model, context.state.cfg.checkpoint.load, step)
         elif self.controller.table is None:
@@ -318,6 +346,10 @@ class FP4QATBridgeCallback(_BridgeCallback):
                 log.info("nemo_fp4qat: step %d: %s %s -> %s (%d modules)", step, ev["group"], ev["from"], ev["to"],
                          ev["modules"])  # fmt: skip
 
+    def on_train_step_end(self, context: Any) -> None:
+        if self._staged is not None:
+            self._staged.flush()  # the step's schedule is over: the next stage has received every activation
+
     def on_checkpoint_save(self, context: Any) -> None:
         from megatron.bridge.training.utils.checkpoint_utils import get_checkpoint_name
 
@@ -328,10 +360,11 @@ class FP4QATBridgeCallback(_BridgeCallback):
                 params = {k: v.detach().cpu() for k, v in self.distiller.teacher.named_parameters()}
                 _save_atomic(params, path)
             self._teacher_saved = True
+        controller = every_stage(self.controller.state_dict())  # under pipeline parallelism: every stage's
         if _rank() != 0:
             return
         iter_dir = Path(get_checkpoint_name(context.state.cfg.checkpoint.save, context.state.train_state.step))
-        payload = {"controller": self.controller.state_dict(), "calib_batches": self.controller.calib_batches}
+        payload = {"controller": controller, "calib_batches": self.controller.calib_batches}
         _save_atomic(payload, iter_dir / STATE_FILE)
 
     def _restore(self, model: nn.Module, load_dir: str, step: int) -> None:
@@ -345,8 +378,12 @@ class FP4QATBridgeCallback(_BridgeCallback):
                 "(cfg.checkpoint.pretrained_checkpoint, with cfg.checkpoint.load pointing elsewhere)."
             )
         saved = torch.load(path, map_location="cpu", weights_only=False)
+        try:
+            stage = this_stage(saved["controller"], _RESTART_HINT)
+        except ValueError as e:
+            raise ConfigError(f"{path}: {e}") from None
         self.controller.resolve(model)
-        self.controller.load_state_dict(saved["controller"])
+        self.controller.load_state_dict(stage)
         self.controller.calib_batches = saved.get("calib_batches", [])
         self.controller.attach(model)
         if _rank() == 0:
@@ -356,8 +393,24 @@ class FP4QATBridgeCallback(_BridgeCallback):
         if self.distiller is not None:
             self.distiller.remove()
             self.distiller = None
-        if self.config.export_dir and _rank() == 0:
-            self.exported = self.export_model(_unwrap(context.model), self.config.export_dir)
+        if not self.config.export_dir:
+            return
+        if self._staged is None:
+            if _rank() == 0:
+                self.exported = self.export_model(_unwrap(context.model), self.config.export_dir)
+            return
+        whole = gather_pipeline_model(self._whole_model, _unwrap(context.model), self.controller)  # every rank
+        if whole is not None:
+            with modelopt_single_process():
+                self.exported = self.export_model(whole, self.config.export_dir)
+        torch.distributed.barrier()
+
+    def _whole_model(self) -> nn.Module:
+        """The run's model without pipeline parallelism, from its provider (a shallow copy: the provider holds
+        process groups)."""
+        provider = copy.copy(self._provider)
+        provider.pipeline_model_parallel_size = 1
+        return provider.provide(pre_process=True, post_process=True)
 
     def export_model(self, model: nn.Module, out_dir: str | Path) -> Path:
         """Export the quantized megatron-core model (``config.export``; by default a unified HF checkpoint for a

@@ -10,6 +10,7 @@ batches NeMo's data modules yield (``tokens``, ``position_ids``, ``attention_mas
 from __future__ import annotations
 
 import contextlib
+import copy
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +23,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from ..lightning.callback import CHECKPOINT_KEY, FP4QATCallback
 from ..qat.distillation import DistillationConfig
-from .pipeline import (
+from ..qat.pipeline_parallel import (
     every_stage,
     gather_pipeline_model,
     modelopt_single_process,
@@ -32,6 +33,8 @@ from .pipeline import (
 )
 
 __all__ = ["NeMoFP4QATCallback", "megatron_module", "nemo_gpt_forward"]
+
+_RESTART_HINT = "restore it with RestoreConfig instead of resuming"
 
 _PER_LAYER_KEY = re.compile(r"\.layers\.\d+\.")
 
@@ -212,20 +215,25 @@ class NeMoFP4QATCallback(FP4QATCallback):
         return every_stage(super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(this_stage(state_dict))
+        super().load_state_dict(this_stage(state_dict, _RESTART_HINT))
 
     def sync_to_saved(self, root: nn.Module, saved: dict[str, Any], state_dict: dict[str, Any]) -> None:
-        super().sync_to_saved(root, this_stage(saved), state_dict)
+        super().sync_to_saved(root, this_stage(saved, _RESTART_HINT), state_dict)
 
     def export_at_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Under pipeline parallelism the whole model is first assembled on global rank 0 from every stage
-        (:func:`~nemo_fp4qat.nemo.pipeline.gather_pipeline_model`), so the export holds every layer."""
+        (:func:`~nemo_fp4qat.qat.pipeline_parallel.gather_pipeline_model`), so the export holds every layer."""
         if pipeline_world_size() == 1:
             super().export_at_end(trainer, pl_module)
             return
         import torch.distributed as dist
 
-        whole = gather_pipeline_model(pl_module, self.target_module(pl_module), self.controller)
+        def build_whole() -> nn.Module:  # the run's NeMo config without pipeline parallelism
+            config = copy.deepcopy(pl_module.config)
+            config.pipeline_model_parallel_size = 1
+            return config.configure_model(pl_module.tokenizer, pre_process=True, post_process=True)
+
+        whole = gather_pipeline_model(build_whole, self.target_module(pl_module), self.controller)
         if whole is not None:
             with modelopt_single_process():
                 self.export_model(pl_module, self.export_dir, module=whole)

@@ -105,3 +105,54 @@ def test_bridge_qad_at_tensor_parallel_2_matches_tp_1_and_resumes_exactly(tmp_pa
         got, want = resumed["ranks"][rank], two["ranks"][rank]
         assert got["losses"] == {s: want["losses"][s] for s in ("3", "4")}, (rank, got["losses"], want["losses"])
         assert got["fc1_weight_sum"] == want["fc1_weight_sum"]
+
+
+def _export_tensors(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(path) / "rank0.safetensors"))
+
+
+def test_bridge_pipeline_parallel_qat_matches_pp_1_resumes_exactly_and_exports(tmp_path):
+    """Pipeline parallelism 2 (two gloo ranks, one layer per stage): calibration through both stages on the run's
+    own first micro-batches, inside Bridge's schedule; the FP8 -> NVFP4 switch at the same step on both stages; the
+    losses of the PP=1 run on the same data and model within 1e-5 relative; every stage's QAT state saved beside
+    the checkpoint and restored by its stage (killed after step 3, steps 4-6 bit for bit); the end-of-training
+    export assembled from both stages, validated code for code and equal to the PP=1 run's export; a resume at
+    another pipeline size refused by name."""
+    common = dict(STEPS=6, SWITCH_AT=2, TP=1)  # TP=1: every matrix drawn by its whole-model name at any shape
+    one = _run(tmp_path, "pp1", tmp_path / "pp1_ckpt", SAVE_INTERVAL=100, PP=1, EXPORT_DIR=tmp_path / "e1", **common)
+    two = _run(tmp_path, "pp2", tmp_path / "pp2_ckpt", nproc=2, SAVE_INTERVAL=100, PP=2, EXPORT_DIR=tmp_path / "e2",
+               **common)  # fmt: skip
+    assert (one["pp"], [r["pp"] for r in two["ranks"]]) == (1, [2, 2])
+    two_losses = two["ranks"][1]["losses"]  # the loss is the last stage's
+    assert two["ranks"][0]["losses"] == {} and sorted(two_losses) == sorted(one["losses"])
+    for step, loss in one["losses"].items():
+        assert abs(two_losses[step] - loss) <= 1e-5 * loss, (step, one["losses"], two_losses)
+    for rank in two["ranks"]:  # each stage calibrated its own layer, switched at step 2 like the PP=1 run
+        assert rank["formats"] == one["formats"] and rank["formats"]["3"] == ["(2, 1)", True]
+    # stage 0's layer is the PP=1 run's layer 0; stage 1's is its layer 1 (probed in the PP=1 run as layer 0: only
+    # stage 0's amax compares)
+    assert abs(two["ranks"][0]["fc1_input_amax"] - one["fc1_input_amax"]) <= 1e-5 * one["fc1_input_amax"]
+    export = two["export"]
+    assert export["ok"], export["errors"]
+    assert sum(a == "NVFP4" for a in export["layers"].values()) == 8, export["layers"]  # both stages' layers
+    assert export["numeric"]["layers_compared"] == 8 and export["numeric"]["fp4_codes_different"] == 0
+    a, b = _export_tensors(one["export"]["path"]), _export_tensors(export["path"])
+    assert a.keys() == b.keys()
+    codes = [k for k in a if a[k].dtype.is_floating_point is False]
+    assert codes and all(int((a[k] != b[k]).sum()) == 0 for k in codes), [k for k in codes if (a[k] != b[k]).any()]
+
+    ckpt = tmp_path / "ckpt"
+    first = _run(tmp_path, "first", ckpt, nproc=2, SAVE_INTERVAL=3, EXIT_AT=3, PP=2, **common)
+    resumed = _run(tmp_path, "resumed", ckpt, nproc=2, SAVE_INTERVAL=100, PP=2, **common)
+    assert resumed["resumed"] is True
+    assert first["ranks"][1]["losses"] == {s: two_losses[s] for s in ("1", "2", "3")}
+    for rank in (0, 1):
+        got, want = resumed["ranks"][rank], two["ranks"][rank]
+        assert got["losses"] == {s: v for s, v in want["losses"].items() if int(s) > 3}, rank
+        assert got["formats"] == {s: v for s, v in want["formats"].items() if int(s) > 3}, rank
+        for key in ("fc1_weight_amax", "fc1_input_amax", "fc1_weight_sum"):
+            assert got[key] == want[key], (rank, key)
+    with pytest.raises(AssertionError, match="saved with pipeline_model_parallel_size=2 and is being resumed with 1"):
+        _run(tmp_path, "other_size", ckpt, SAVE_INTERVAL=100, PP=1, **common)

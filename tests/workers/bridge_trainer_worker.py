@@ -8,8 +8,9 @@ throughout), ``QAD`` (``1``: distil from the model as loaded), ``MONITOR`` (a ``
 steps whose weight error threshold is this value; its report goes to CKPT_DIR/quant_report), ``TP``
 (tensor_model_parallel_size; when set, the tiny GPT's matrices are drawn whole from a seed per parameter name and
 each rank keeps its shard, so that every TP size starts from the same model, and its MLP is not gated, whose fused
-gate/up shards interleave). A checkpoint in CKPT_DIR is resumed. Writes losses per step, the probe layer's formats
-per step, and the final amax to OUT_JSON (global rank N > 0: OUT_JSON.rankN).
+gate/up shards interleave), ``PP`` (pipeline_model_parallel_size; the matrices drawn by their whole-model names,
+so that every PP size starts from the same model). A checkpoint in CKPT_DIR is resumed. Writes losses per step,
+the probe layer's formats per step, and the final amax to OUT_JSON (global rank N > 0: OUT_JSON.rankN).
 """
 
 from __future__ import annotations
@@ -27,20 +28,25 @@ MODEL = os.environ.get("MODEL", "tiny")
 QAD = os.environ.get("QAD") == "1"
 MONITOR = float(os.environ["MONITOR"]) if os.environ.get("MONITOR") else None
 TP = int(os.environ["TP"]) if os.environ.get("TP") else None
+PP = int(os.environ.get("PP", "1"))
 SEQ, VOCAB = (32, 256) if MODEL == "tiny" else (64, 49152)
 LR = 3e-3 if MODEL == "tiny" else 1e-5
 
 
 def same_model_at_any_tp(chunks):
-    """Every matrix drawn whole (seeded by its name), each tensor-parallel rank keeping its shard."""
+    """Every matrix drawn whole (seeded by its whole-model name), each tensor-parallel rank keeping its shard."""
     import zlib
 
     import torch
     from megatron.core import parallel_state
 
+    from nemo_fp4qat.qat.stage_names import stage_layer_offset, to_global_name
+
     rank, size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    offset = stage_layer_offset(chunks[0])
     with torch.no_grad():
-        for name, p in chunks[0].named_parameters():
+        for local, p in chunks[0].named_parameters():
+            name = to_global_name(local, offset)
             if p.dim() < 2:
                 continue  # norms: ones at any size
             dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
@@ -94,9 +100,10 @@ if __name__ == "__main__":
                 num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4, vocab_size=VOCAB,
                 make_vocab_size_divisible_by=128, position_embedding_type="rope", normalization="RMSNorm",
                 activation_func=torch.nn.functional.silu, gated_linear_unit=TP is None, add_bias_linear=False,
-                share_embeddings_and_output_weights=False, tensor_model_parallel_size=TP or 1, **cpu_fields,
+                share_embeddings_and_output_weights=False, tensor_model_parallel_size=TP or 1,
+                pipeline_model_parallel_size=PP, **cpu_fields,
             )  # fmt: skip
-            if TP is not None:
+            if TP is not None or PP > 1:
                 model.register_pre_wrap_hook(same_model_at_any_tp)
         else:  # the real model, through Bridge's own Hugging Face conversion (weights loaded in a pre-wrap hook)
             from megatron.bridge import AutoBridge
@@ -160,7 +167,8 @@ if __name__ == "__main__":
         class Probe(Callback):
             def on_train_step_end(self, context):
                 step = int(context.state.train_state.step) + 1  # Bridge counts the step after this event
-                record["losses"][step] = float(context.loss_dict["lm loss"])
+                if "lm loss" in context.loss_dict:  # the last pipeline stage's
+                    record["losses"][step] = float(context.loss_dict["lm loss"])
                 q = fc1(context).weight_quantizer
                 record["formats"][step] = [str(q.num_bits), bool(q.block_sizes)]
                 dump()
@@ -174,6 +182,7 @@ if __name__ == "__main__":
                 from megatron.core import parallel_state
 
                 record["tp"] = parallel_state.get_tensor_model_parallel_world_size()
+                record["pp"] = parallel_state.get_pipeline_model_parallel_world_size()
 
         callbacks = [qat, Probe()]
         if MONITOR is not None:

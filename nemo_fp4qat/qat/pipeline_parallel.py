@@ -16,14 +16,15 @@ peers in the same stage), never across stages, which hold other layers
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.nn as nn
 
-from ..qat.stage_names import stage_layer_offset, to_global_name
+from .stage_names import stage_layer_offset, to_global_name
 
 __all__ = [
+    "StagedForward",
     "every_stage",
     "gather_pipeline_model",
     "modelopt_single_process",
@@ -60,9 +61,12 @@ def every_stage(payload: Any) -> Any:
     return {STAGES_KEY: stages}
 
 
-def this_stage(saved: Any) -> Any:
+RESTART_HINT = "load its weights as a pretrained checkpoint instead of resuming"
+
+
+def this_stage(saved: Any, restart_hint: str = RESTART_HINT) -> Any:
     """This rank's stage entry of an :func:`every_stage` payload (a payload saved without pipeline parallelism
-    as it is).
+    as it is). ``restart_hint``: how the front end starts a new QAT run from a checkpoint's weights.
 
     Raises:
         ValueError: the checkpoint was saved at another pipeline-parallel size, or its stages are restored without
@@ -73,7 +77,7 @@ def this_stage(saved: Any) -> Any:
             raise ValueError(
                 "This checkpoint's QAT state was saved without pipeline parallelism and is being resumed with "
                 f"pipeline_model_parallel_size={pipeline_world_size()}: resume at the size it was saved with (to "
-                "start a new QAT run from its weights, restore it with RestoreConfig instead of resuming)."
+                f"start a new QAT run from its weights, {restart_hint})."
             )
         return saved
     stages = saved[STAGES_KEY]
@@ -83,7 +87,7 @@ def this_stage(saved: Any) -> Any:
             f"This checkpoint's QAT state was saved with pipeline_model_parallel_size={len(stages)} and is being "
             f"resumed with {pp}: each stage's quantizers belong to its own layers. Resume at "
             f"pipeline_model_parallel_size={len(stages)} (to start a new QAT run from its weights at another size, "
-            "restore it with RestoreConfig instead of resuming)."
+            f"{restart_hint})."
         )
     from megatron.core import parallel_state as ps
 
@@ -121,6 +125,71 @@ def pipeline_forward(model: nn.Module, inputs: dict[str, Any]) -> Any:
     return out
 
 
+class StagedForward:
+    """A calibration forward of this rank's stage that works inside a pipeline schedule as well as outside it.
+
+    Megatron-Bridge hands the run's micro-batches to its forward step inside megatron-core's pipeline schedule,
+    where a later stage waits in the schedule's receive for the first micro-batch: a calibration forward through
+    the schedule's own communicator would be taken for that micro-batch. So the calibration activations travel
+    on a group of their own (the world's ranks, :meth:`setup`): a stage receives the previous stage's activation
+    for each calibration batch (blocking: the previous stage has calibrated and sent them before it ran its
+    first micro-batch), runs its layers, and sends its output on without waiting (:meth:`flush` waits, once the
+    next stage is sure to have received it). Every stage runs the same batches in the same order, so sends and
+    receives pair up, inside the schedule or at a step's start. The input tensor the schedule set on the stage
+    is kept.
+
+    Args:
+        forward: one forward of a megatron-core GPT on a batch (``forward(model, batch)``).
+    """
+
+    def __init__(self, forward: Callable[[nn.Module, Any], Any]) -> None:
+        self.forward = forward
+        self.group: Any = None
+        self._pending: list[tuple[Any, Any]] = []
+
+    def setup(self) -> None:
+        """Create the calibration group (a collective: every rank calls it, once)."""
+        import torch.distributed as dist
+
+        if self.group is None:
+            self.group = dist.new_group(list(range(dist.get_world_size())))
+
+    def __call__(self, model: nn.Module, batch: Any) -> Any:
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        if self.group is None:
+            raise RuntimeError("StagedForward.setup() must run on every rank before the first calibration forward.")
+        config = model.config
+        decoder = model.decoder
+        kept = decoder.input_tensor
+        if not ps.is_pipeline_first_stage():
+            tokens = batch["tokens"] if isinstance(batch, dict) else batch
+            b, seq = tokens.shape
+            if getattr(config, "sequence_parallel", False):
+                seq //= ps.get_tensor_model_parallel_world_size()
+            dtype = getattr(config, "pipeline_dtype", None) or config.params_dtype
+            hidden = torch.empty((seq, b, config.hidden_size), dtype=dtype, device=tokens.device)
+            dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank(), group=self.group)
+            model.set_input_tensor(hidden)
+        try:
+            out = self.forward(model, batch)
+        finally:
+            decoder.set_input_tensor(kept)
+        if not ps.is_pipeline_last_stage():
+            sent = out.detach().contiguous()
+            self._pending.append((dist.isend(sent, dst=ps.get_pipeline_model_parallel_next_rank(), group=self.group),
+                                  sent))  # fmt: skip
+        return out
+
+    def flush(self) -> None:
+        """Wait for the activations sent to the next stage (kept alive until then)."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+
+
 def _global_controller_state(state: dict[str, Any], offset: int) -> dict[str, Any]:
     out = dict(state)
     out["current"] = {to_global_name(m, offset): f for m, f in state["current"].items()}
@@ -145,22 +214,20 @@ def modelopt_single_process() -> Iterator[None]:
         mdist.is_initialized = original
 
 
-def gather_pipeline_model(pl_module: Any, module: nn.Module, controller: Any) -> nn.Module | None:
+def gather_pipeline_model(build_whole: Callable[[], nn.Module], module: nn.Module, controller: Any) -> nn.Module | None:
     """The whole model of a pipeline-parallel run, assembled on global rank 0 (``None`` on the other ranks).
 
     A collective: every rank sends its stage's tensors (weights and quantizer buffers, under the whole
     model's layer names) and schedule state to rank 0, which builds the model without pipeline
-    parallelism from the run's own NeMo config (``configure_model`` of a copy with
-    ``pipeline_model_parallel_size=1``), inserts the quantizers from the run's policy, puts every stage's
-    quantizers in their trained formats and loads every stage's tensors. The result holds exactly what the
-    stages trained, so the export and its validation see every layer. Rank 0 needs the host memory of the
-    whole model.
+    parallelism with ``build_whole`` (the run's own model config with ``pipeline_model_parallel_size=1``:
+    NeMo's ``configure_model``, a Megatron-Bridge model provider's ``provide``), inserts the quantizers from
+    the run's policy, puts every stage's quantizers in their trained formats and loads every stage's tensors.
+    The result holds exactly what the stages trained, so the export and its validation see every layer.
+    Rank 0 needs the host memory of the whole model.
 
     Raises:
         ValueError: tensor parallelism together with pipeline parallelism (the shards are not merged here).
     """
-    import copy
-
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -192,10 +259,8 @@ def gather_pipeline_model(pl_module: Any, module: nn.Module, controller: Any) ->
     state["current"] = {m: f for p in stages for m, f in p["controller"]["current"].items()}
     state["ramps"] = {q: r for p in stages for q, r in p["controller"]["ramps"].items()}
 
-    config = copy.deepcopy(pl_module.config)
-    config.pipeline_model_parallel_size = 1
     with torch.random.fork_rng(devices=[]):  # building initializes weights; the run's RNG streams stay as they are
-        whole = config.configure_model(pl_module.tokenizer, pre_process=True, post_process=True)
+        whole = build_whole()
     whole = whole.to(next(module.parameters()).dtype)
     rebuilt = type(controller)(
         policy=controller.policy,
