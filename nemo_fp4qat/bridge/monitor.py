@@ -6,6 +6,10 @@ the weight quantization error and statistics; findings against named thresholds 
 scalars under ``quant/<layer>/<metric>`` in Bridge's TensorBoard writer when the run has one; a table at each
 switch; ``quant_report.json`` and plots at the end. On a finding it warns, or rolls the layer's group back one
 stage (``action="rollback"``, through the :class:`FP4QATBridgeCallback`'s controller).
+
+Under pipeline parallelism each stage measures the layers it holds, under the whole model's layer names; the
+findings are exchanged at the end of every step (every rank acts on all of them, a layer group once) and the
+report on global rank 0 gathers every stage's layers (:mod:`nemo_fp4qat.monitor.stages`).
 """
 
 from __future__ import annotations
@@ -13,12 +17,15 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from ..monitor.analysis import analyze_model
 from ..monitor.findings import Finding, MonitorThresholds, add_finding, check_layer
 from ..monitor.report import summary_table, write_report
+from ..monitor.stages import exchange_findings, merge_stage_records
+from ..qat.stage_names import stage_layer_offset, to_global_name
 from ..specs import ConfigError
 from .callback import FP4QATBridgeCallback, _BridgeCallback, _rank, _unwrap
 
@@ -70,9 +77,19 @@ class BridgeQuantizationMonitor(_BridgeCallback):
         self.findings: list[Finding] = []
         self.records: list[dict[str, Any]] = []
         self.report: Path | None = None
+        self._pp = 1  # pipeline stages; > 1: names are the whole model's, findings are exchanged every step
+        self._offset = 0  # this stage's first transformer layer
+        self._pending: list[tuple[dict[str, Any], str | None]] = []
 
     def _stage_label(self) -> str:
         return "+".join(sorted({w for w, _ in self.qat.controller.current.values()})) or "static"
+
+    def on_train_start(self, context: Any) -> None:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized() and ps.get_pipeline_model_parallel_world_size() > 1:
+            self._pp = ps.get_pipeline_model_parallel_world_size()
+            self._offset = stage_layer_offset(_unwrap(context.model))
 
     def on_train_step_end(self, context: Any) -> None:
         done = int(context.state.train_state.step) + 1  # Bridge advances its counter after this event
@@ -83,17 +100,21 @@ class BridgeQuantizationMonitor(_BridgeCallback):
             self._find(done, "<model>", "nonfinite", "loss", float(loss), 0.0)
         if switched or done % self.every_n_steps == 0:
             self._measure(context, done, show=switched)
+        self._exchange_findings()
 
     def on_train_end(self, context: Any) -> None:
         step = int(context.state.train_state.step)
         self._measure(context, step, show=True, final=True)
+        self._exchange_findings()
+        if self._pp > 1:
+            self.records = merge_stage_records(self.records)
         if _rank() == 0:
             out = self.out_dir or Path(context.state.cfg.checkpoint.save or ".") / "quant_report"
             self.report = write_report(out, self.thresholds, self.action, self.findings, self.records)
 
     def _measure(self, context: Any, step: int, show: bool, final: bool = False) -> None:
         t0 = time.perf_counter()
-        layers = analyze_model(_unwrap(context.model))
+        layers = {to_global_name(n, self._offset): r for n, r in analyze_model(_unwrap(context.model)).items()}
         for name, rec in layers.items():
             for problem, metric, value, threshold in check_layer(rec, self.thresholds):
                 self._find(step, name, problem, metric, value, threshold)
@@ -113,7 +134,22 @@ class BridgeQuantizationMonitor(_BridgeCallback):
         f = add_finding(self.findings, step, layer, problem, metric, value, threshold, self.action)
         if f is None:
             return
-        if _rank() == 0:
+        if _rank() == 0 or self._pp > 1:  # under pipeline parallelism the stage holding the layer tells
             log.warning("nemo_fp4qat monitor: %s", f)
-        if self.action == "rollback":
+        if self._pp > 1:  # acted on by every rank at the end of the step (_exchange_findings)
+            local = {to_global_name(n, self._offset): n for n in self.qat.controller.current}
+            group = self.qat.controller.group_of(local[layer]) if layer in local else None
+            self._pending.append((asdict(f), group))
+        elif self.action == "rollback":
             self.qat.controller.roll_back_layer(layer)
+
+    def _exchange_findings(self) -> None:
+        """Under pipeline parallelism: every rank learns every stage's findings of this step and rolls each layer
+        group found back once, on the stages that hold part of it."""
+        if self._pp == 1:
+            return
+        groups, _ = exchange_findings(self._pending, self.findings, self.action)
+        self._pending = []
+        if self.action == "rollback":
+            for group in groups:
+                self.qat.controller.roll_back_group(group)

@@ -85,7 +85,9 @@ def declare_for_engines(out: str | Path) -> None:
 
     ``hf_quant_config.json``: ``quant_method: "modelopt"``, and for a mixed-precision checkpoint
     ``quantization.exclude_modules`` naming the 16-bit linear layers. ``config.json["quantization_config"]``: the
-    same names in ``ignore`` and ``kv_cache_quant_algo`` (``null`` when the KV cache is not quantized).
+    same names in ``ignore``, ``kv_cache_quant_algo`` (``null`` when the KV cache is not quantized) and, for a
+    mixed-precision checkpoint, the ``quantized_layers`` table (vLLM and SGLang read this file first). The
+    engines' fused layers are listed under their own names too (see the module docstring).
     """
     out = Path(out)
     hq_path, cfg_path = out / "hf_quant_config.json", out / "config.json"
@@ -109,8 +111,9 @@ def declare_for_engines(out: str | Path) -> None:
     if isinstance(qc, dict):
         qc["ignore"] = sorted(set(qc.get("ignore") or []) | set(excluded))
         qc.setdefault("kv_cache_quant_algo", q.get("kv_cache_quant_algo"))
-        if isinstance(qc.get("quantized_layers"), dict):
-            qc["quantized_layers"] = {**qc["quantized_layers"], **aliases}
+        if q.get("quant_algo") == "MIXED_PRECISION":  # modelopt < 0.4x writes the table in hf_quant_config only
+            qc.setdefault("quant_algo", "MIXED_PRECISION")
+            qc["quantized_layers"] = q["quantized_layers"]
         cfg_path.write_text(json.dumps(config, indent=2))
 
 

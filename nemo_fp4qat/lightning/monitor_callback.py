@@ -33,6 +33,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from ..monitor.analysis import amax_of, analyze_model, quantized_layers
 from ..monitor.findings import ACTIONS, Finding, MonitorThresholds, add_finding, check_layer
 from ..monitor.report import summary_table, write_report
+from ..monitor.stages import exchange_findings, merge_stage_records
 from ..numerics.metrics import quantization_error
 from ..qat.stage_names import stage_layer_offset, to_global_name
 
@@ -326,40 +327,20 @@ class QuantizationMonitor(pl.Callback):
 
     def _exchange_findings(self, trainer: pl.Trainer) -> None:
         """Under pipeline parallelism: every rank learns every rank's findings of this step and applies the same
-        actions once (a group found on several stages is rolled back one stage, not one per stage)."""
+        actions once (:func:`~nemo_fp4qat.monitor.stages.exchange_findings`)."""
         if self._pp == 1:
             return
-        import torch.distributed as dist
-
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, self._pending)
+        groups, found = exchange_findings(self._pending, self.findings, self.action)
         self._pending = []
-        groups: set[str] = set()
-        for fd, group in (item for items in everyone for item in items):
-            add_finding(self.findings, fd["step"], fd["layer"], fd["problem"], fd["metric"], fd["value"],
-                        fd["threshold"], self.action)  # fmt: skip
-            if group is not None:
-                groups.add(group)
-            if self.action == "stop":
-                trainer.should_stop = True
+        if found and self.action == "stop":
+            trainer.should_stop = True
         if self.action == "rollback":
-            for group in sorted(groups):
+            for group in groups:
                 self._rollback(trainer, group)
 
     def _gather_stage_records(self) -> None:
         """Every stage's measurements merged into this rank's records (same steps on every stage)."""
-        import torch.distributed as dist
-
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, self.records)
-        merged: dict[tuple[int, bool], dict[str, Any]] = {}
-        for records in everyone:
-            for r in records:
-                key = (r["step"], r["final"])
-                into = merged.setdefault(key, {**r, "layers": {}})
-                into["layers"].update(r["layers"])
-                into["seconds"] = max(into["seconds"], r["seconds"])
-        self.records = sorted(merged.values(), key=lambda r: (r["step"], r["final"]))
+        self.records = merge_stage_records(self.records)
 
     # --- output ---------------------------------------------------------------------------------
     summary_table = staticmethod(summary_table)

@@ -118,12 +118,12 @@ def test_bridge_pipeline_parallel_qat_matches_pp_1_resumes_exactly_and_exports(t
     own first micro-batches, inside Bridge's schedule; the FP8 -> NVFP4 switch at the same step on both stages; the
     losses of the PP=1 run on the same data and model within 1e-5 relative; every stage's QAT state saved beside
     the checkpoint and restored by its stage (killed after step 3, steps 4-6 bit for bit); the end-of-training
-    export assembled from both stages, validated code for code and equal to the PP=1 run's export; a resume at
-    another pipeline size refused by name."""
+    export assembled from both stages, validated code for code and equal to the PP=1 run's export; the monitor's
+    findings and report cover both stages; a resume at another pipeline size refused by name."""
     common = dict(STEPS=6, SWITCH_AT=2, TP=1)  # TP=1: every matrix drawn by its whole-model name at any shape
     one = _run(tmp_path, "pp1", tmp_path / "pp1_ckpt", SAVE_INTERVAL=100, PP=1, EXPORT_DIR=tmp_path / "e1", **common)
     two = _run(tmp_path, "pp2", tmp_path / "pp2_ckpt", nproc=2, SAVE_INTERVAL=100, PP=2, EXPORT_DIR=tmp_path / "e2",
-               **common)  # fmt: skip
+               MONITOR=0.05, **common)  # fmt: skip
     assert (one["pp"], [r["pp"] for r in two["ranks"]]) == (1, [2, 2])
     two_losses = two["ranks"][1]["losses"]  # the loss is the last stage's
     assert two["ranks"][0]["losses"] == {} and sorted(two_losses) == sorted(one["losses"])
@@ -134,6 +134,15 @@ def test_bridge_pipeline_parallel_qat_matches_pp_1_resumes_exactly_and_exports(t
     # stage 0's layer is the PP=1 run's layer 0; stage 1's is its layer 1 (probed in the PP=1 run as layer 0: only
     # stage 0's amax compares)
     assert abs(two["ranks"][0]["fc1_input_amax"] - one["fc1_input_amax"]) <= 1e-5 * one["fc1_input_amax"]
+    # the monitor (on the PP=2 run only: it must not change training): each stage measures its own layer under its
+    # whole-model name, every rank learns every stage's findings, rank 0's report holds both stages' layers
+    kinds = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+    layers = {f"decoder.layers.{i}.{m}" for i in (0, 1) for m in kinds}
+    for rank in two["ranks"]:
+        assert set(rank["monitor"]["finding_layers"]) == layers, rank["monitor"]  # NVFP4's error > 0.05 everywhere
+    report = json.loads(Path(two["monitor"]["report"]).read_text())
+    assert all(set(m["layers"]) == layers for m in report["measurements"]), [list(m["layers"]) for m in
+                                                                             report["measurements"]]  # fmt: skip
     export = two["export"]
     assert export["ok"], export["errors"]
     assert sum(a == "NVFP4" for a in export["layers"].values()) == 8, export["layers"]  # both stages' layers
