@@ -11,7 +11,7 @@ BRIDGE_PYTHON ?= $(shell p=$$(pyenv root 2>/dev/null)/versions/3.12.1/bin/python
 BENCH_SITE := .bench-site
 PIP_QUIET := -q --disable-pip-version-check
 
-.PHONY: demo test test-core test-nemo test-nemo-all test-bridge test-bridge-all lint env bench bench-accuracy mutate reliability gpu-wheels gpu-check clean
+.PHONY: demo test test-core test-nemo test-nemo-all test-bridge test-bridge-all test-engines lint env bench bench-accuracy mutate reliability gpu-wheels gpu-check clean
 
 env: $(CORE)/.stamp $(NEMO)/.stamp $(BRIDGE)/.stamp
 
@@ -69,6 +69,22 @@ test-bridge: $(BRIDGE)/.stamp
 
 test-bridge-all: $(BRIDGE)/.stamp
 	NEMO_FP4QAT_REQUIRE_BRIDGE=1 $(BRIDGE)/bin/python -m pytest -q -m bridge tests/bridge
+
+# The engines environment (optional, about 2 GB): vLLM's CPU wheel, whose own parser reads the exports
+# (tests/export/test_engine_parsers.py). Not part of make test.
+ENGINES := .venv-engines
+ENGINES_PYTHON ?= $(PYTHON)
+ENGINES_PIP_ARGS ?= --extra-index-url https://download.pytorch.org/whl/cpu
+$(ENGINES)/.stamp: requirements/engines.txt
+	$(ENGINES_PYTHON) -m venv $(ENGINES)
+	$(ENGINES)/bin/pip install $(PIP_QUIET) $(ENGINES_PIP_ARGS) -r requirements/engines.txt 2>&1 | $(QUIET_PIP)
+	# PyPI's torchvision / torchaudio are CUDA builds that fail to load beside torch's CPU build (transformers then
+	# cannot import its image utilities, which vLLM's config module needs); the parser uses neither
+	$(ENGINES)/bin/pip uninstall $(PIP_QUIET) -y torchvision torchaudio torchcodec 2>&1 | $(QUIET_PIP)
+	touch $@
+
+test-engines: $(CORE)/.stamp $(ENGINES)/.stamp
+	NEMO_FP4QAT_ENGINES_PYTHON=$(CURDIR)/$(ENGINES)/bin/python $(CORE)/bin/python -m pytest -q -m engines tests
 
 # The three environments build side by side (pip is mostly single-threaded unpacking), then the suites run one
 # after the other (each uses both cores).
@@ -132,4 +148,4 @@ gpu-check:
 	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/gpu_check.py
 
 clean:
-	rm -rf $(CORE) $(NEMO) $(BRIDGE) $(BENCH_SITE) $(GPU_WHEELS) runs .pytest_cache
+	rm -rf $(CORE) $(NEMO) $(BRIDGE) $(ENGINES) $(BENCH_SITE) $(GPU_WHEELS) runs .pytest_cache

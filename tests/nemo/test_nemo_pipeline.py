@@ -134,10 +134,13 @@ def test_monitor_under_pipeline_parallelism_reports_every_stage_and_acts_on_all(
 def test_pipeline_stage_state_refuses_another_pipeline_size():
     """A checkpoint's per-stage QAT state cannot be resumed at another pipeline-parallel size: the message names
     the size it was saved with and how to start from its weights instead."""
+    from nemo_fp4qat.nemo.callback import NeMoFP4QATCallback
     from nemo_fp4qat.qat.pipeline_parallel import STAGES_KEY, this_stage
 
-    with pytest.raises(ValueError, match=r"pipeline_model_parallel_size=2 .*resumed with 1.*RestoreConfig"):
+    with pytest.raises(ValueError, match=r"pipeline_model_parallel_size=2 .*resumed with 1.*pretrained checkpoint"):
         this_stage({STAGES_KEY: [{"controller": {}}, {"controller": {}}]})
+    with pytest.raises(ValueError, match=r"pipeline_model_parallel_size=2 .*resumed with 1.*RestoreConfig"):
+        NeMoFP4QATCallback().load_state_dict({STAGES_KEY: [{"controller": {}}, {"controller": {}}]})
     assert this_stage({"controller": {"current": {}}}) == {"controller": {"current": {}}}
 
 
