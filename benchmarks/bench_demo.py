@@ -19,6 +19,10 @@ from pathlib import Path
 HERE = Path(__file__).parent
 
 
+def _acc(variant: dict) -> str:
+    return "-" if variant.get("acc") is None else f"{100 * variant['acc']:.1f}%"
+
+
 def main(report_path: str | None = None) -> dict:
     from common import machine, write_result
 
@@ -46,10 +50,12 @@ def main(report_path: str | None = None) -> dict:
         f"calibration {cfg['calib_samples']} samples. QAT row: {method}, measured on the exported "
         "(validated) checkpoint as served.",
         "",
-        "| variant | perplexity | bits/weight | weights vs bf16 |",
-        "|---|---:|---:|---:|",
-        *[f"| {k} | {x['ppl']:.3f} | {x['bits_per_weight']:.2f} | {x['weight_ratio_vs_bf16']:.3f} |"
+        "| variant | perplexity | lm-eval acc | bits/weight | weights vs bf16 |",
+        "|---|---:|---:|---:|---:|",
+        *[f"| {k} | {x['ppl']:.3f} | {_acc(x)} | {x['bits_per_weight']:.2f} | {x['weight_ratio_vs_bf16']:.3f} |"
           for k, x in v.items()],
+        *([f"lm-eval acc: lm-evaluation-harness, task `{report['lm_eval']['task']}` (next sentence of the held-out "
+           f"book, {report['lm_eval']['limit']} documents, offline)."] if report.get("lm_eval") else []),
         "",
         *([f"- gap to BF16 fine-tune: **{100 * gap:.1f}%** (target < 10%: {'met' if gap < 0.10 else 'NOT met'})"]
           if gap is not None else []),

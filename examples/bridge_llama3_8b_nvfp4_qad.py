@@ -6,8 +6,8 @@ The recipe is Megatron-Bridge's ``llama3_8b_pretrain_config`` with these changes
   with ``AutoBridge.import_ckpt("meta-llama/Meta-Llama-3-8B", "/ckpts/llama3_8b")``), which is also the QAD teacher;
 * QAD's parallelism: TP=2 (the shape of Bridge's Llama-3-8B fine-tuning recipe; the teacher is sharded like the
   student and the KL is taken over the vocabulary-parallel logits), CP=1 and PP=1 (context-parallel QAD is
-  untested, pipeline parallelism not yet supported on this front end), data parallel across the remaining GPUs
-  with the distributed optimizer; a fine-tuning learning rate;
+  untested; QAD under pipeline parallelism is refused by name, plain QAT runs under it), data parallel across the
+  remaining GPUs with the distributed optimizer; a fine-tuning learning rate;
 * :class:`~nemo_fp4qat.bridge.FP4QATBridgeCallback` with the default policy (attention FP8, MLP NVFP4, embeddings,
   output and norms in full precision), NVFP4 from the first step, distillation from the BF16 model, and a unified
   Hugging Face checkpoint for TensorRT-LLM / vLLM / SGLang at the end.

@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import os
+import re
 import sys
 import time
 import warnings
@@ -32,6 +34,8 @@ if TYPE_CHECKING:
     from ..qat.policy import LayerPolicy
 
 __all__ = ["DEMO_POLICIES", "DemoConfig", "run_demo"]
+
+LM_EVAL_TASK = "fp4qat_next_sentence"  # shipped with nemo_fp4qat.eval.harness, made from the held-out book
 
 log = logging.getLogger("nemo_fp4qat")
 
@@ -81,6 +85,9 @@ class DemoConfig:
     smoothing: Any = field(default_factory=lambda: {"sites": ["mlp_in"], "alpha": 0.5})
     block_scale_search: bool | float = False
     seed: int = 0
+    # documents of lm-evaluation-harness's next-sentence task (from the held-out book, offline) scored per variant
+    # (the report's accuracy column; 4 choices each, about 0.3 s per document on 2 cores); 0: off
+    lm_eval_limit: int = 40
 
     def __post_init__(self) -> None:
         from ..qat.calibration import CalibrationConfig
@@ -105,7 +112,7 @@ class DemoConfig:
     @classmethod
     def quick(cls) -> DemoConfig:
         # 4 steps: the progressive schedule's last (target) stage starts at step 3
-        return cls(steps=4, eval_windows=2, calib_samples=8, seq_len=64, eval_window=64)
+        return cls(steps=4, eval_windows=2, calib_samples=8, seq_len=64, eval_window=64, lm_eval_limit=8)
 
 
 def _lever_names(cfg: DemoConfig) -> list[str]:
@@ -138,16 +145,33 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, cfg: DemoConfig | 
     con = Console(file=sys.stdout, soft_wrap=True)
     t0 = time.time()
     with _details_to_file(out / "demo.log") as details, contextlib.redirect_stdout(details):
-        return _run(cfg, out, con, t0)
+        return _run(cfg, out, con, t0, details)
 
 
-def _run(cfg: DemoConfig, out: Path, con: Any, t0: float) -> int:
+@contextlib.contextmanager
+def _lm_eval_to_file(details: TextIO) -> Iterator[None]:
+    """lm-evaluation-harness's progress bars (stderr) and log messages go to the details file, not the terminal
+    (its logger is set up inside ``simple_evaluate``, at the level ``LMEVAL_LOG_LEVEL`` names)."""
+    saved = os.environ.get("LMEVAL_LOG_LEVEL")
+    os.environ["LMEVAL_LOG_LEVEL"] = "WARNING"
+    try:
+        with contextlib.redirect_stderr(details):
+            yield
+    finally:
+        if saved is None:
+            os.environ.pop("LMEVAL_LOG_LEVEL", None)
+        else:
+            os.environ["LMEVAL_LOG_LEVEL"] = saved
+
+
+def _run(cfg: DemoConfig, out: Path, con: Any, t0: float, details: TextIO) -> int:
     import lightning.pytorch as pl
     import torch
     from rich.table import Table
 
     from ..eval.evaluation import evaluate
     from ..eval.gate import write_report
+    from ..eval.harness import run_lm_eval, write_local_tasks
     from ..lightning.callback import FP4QATCallback
     from ..lightning.monitor_callback import QuantizationMonitor
     from ..qat.controller import QATController
@@ -167,11 +191,20 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float) -> int:
         b for b in token_windows(train_ids[len(train_ids) // 2 :], cfg.calib_samples, cfg.seq_len)[:, :-1].split(8)
     ]
     val = torch.tensor(val_ids[: cfg.eval_window * cfg.eval_windows])
+    tasks = write_local_tasks(out / "lm_eval_tasks", load_corpus("persuasion")) if cfg.lm_eval_limit else None
 
-    def ev(model, name: str) -> dict[str, Any]:
+    def ev(model, name: str, lm_eval: bool = True) -> dict[str, Any]:
         with con.status(f"evaluating {name}"):
             r = evaluate(model, val, window=cfg.eval_window).as_dict()
-        log.info("%s: perplexity %.3f (%.0f tokens/s)", name, r["ppl"], r["tokens_per_s"])
+            if tasks is not None and lm_eval:  # lm-evaluation-harness on the same model: what dashboards read
+                slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+                with _lm_eval_to_file(details):
+                    res = run_lm_eval(model, tok, [LM_EVAL_TASK], include_path=tasks, limit=cfg.lm_eval_limit,
+                                      batch_size=8, output=out / "lm_eval" / f"{slug}.json")  # fmt: skip
+                scores = res["results"][LM_EVAL_TASK]
+                r["acc"], r["acc_norm"] = scores["acc,none"], scores["acc_norm,none"]
+        log.info("%s: perplexity %.3f (%.0f tokens/s)%s", name, r["ppl"], r["tokens_per_s"],
+                 f", {LM_EVAL_TASK} acc {r['acc']:.3f}" if r.get("acc") is not None else "")  # fmt: skip
         return r
 
     def stage(i: int, what: str, result: str) -> None:
@@ -247,7 +280,7 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float) -> int:
         what = f"plain QAT ({cfg.schedule}), {cfg.steps} steps"
     if levers:
         method += "; " + ", ".join(levers)
-    variants["qat"] = ev(qat_model, "QAT (in memory)")
+    variants["qat"] = ev(qat_model, "QAT (in memory)", lm_eval=False)  # scored as deployed below
     stage(4, what, f"perplexity {variants['qat']['ppl']:.3f}{plain_note}")
     from ..export import ExportConfig, export_checkpoint
     from ..export.deployed_model import load_deployed_model
@@ -283,15 +316,19 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float) -> int:
             "exports": exports,
             "export_runtime": runtime,
             "qat_method": method,
+            "lm_eval": {"task": LM_EVAL_TASK, "limit": cfg.lm_eval_limit, "results": str(out / "lm_eval")}
+            if tasks is not None
+            else None,
         },
         loss_curves={"bf16 fine-tune": ft_losses, method: qat_losses},
         switches=qat_cb.controller.history,
     )
     table = Table(title="BF16 vs PTQ vs QAT (validation: Persuasion)")
-    for col in ("variant", "perplexity", "tokens/s", "bits/weight", "weights vs bf16"):
+    for col in ("variant", "perplexity", "lm-eval acc", "tokens/s", "bits/weight", "weights vs bf16"):
         table.add_column(col, justify="right" if col != "variant" else "left")
     for name, v in variants.items():
-        table.add_row(name, f"{v['ppl']:.3f}", f"{v['tokens_per_s']:.0f}", f"{v['bits_per_weight']:.2f}",
+        acc = "-" if v.get("acc") is None else f"{100 * v['acc']:.1f}%"
+        table.add_row(name, f"{v['ppl']:.3f}", acc, f"{v['tokens_per_s']:.0f}", f"{v['bits_per_weight']:.2f}",
                       f"{v['weight_ratio_vs_bf16']:.3f}")  # fmt: skip
     con.print(table)
     rec, gap = report["recovery"], report["gap_to_bf16"]

@@ -40,6 +40,11 @@ def test_demo_prints_five_stages_and_writes_the_details_to_files(tmp_path):
     assert "Inserted" in log and "quantization quality at step" in log
     report = json.loads((out / "report.json").read_text())
     assert {"bf16", "bf16_finetuned", "ptq", "qat"} <= set(report["variants"])
+    # every variant scored by lm-evaluation-harness too (the shipped next-sentence task), its results JSON written
+    assert all(0 <= v["acc"] <= 1 for v in report["variants"].values()), report["variants"]  # QAT: as deployed
+    assert report["lm_eval"]["task"] == "fp4qat_next_sentence"
+    scored = [json.loads(p.read_text()) for p in (out / "lm_eval").glob("*.json")]
+    assert len(scored) >= len(report["variants"]) and all("fp4qat_next_sentence" in r["results"] for r in scored)
     for export in ("export", "export_trtllm"):
         assert json.loads((out / export / "validation.json").read_text())["ok"] is True
 
