@@ -23,6 +23,9 @@ front ends, so policies, schedules, calibration and export behave identically):
   over the vocabulary-parallel logits without gathering them. The copied teacher's weights are saved once beside
   the checkpoints (``<save>/nemo_fp4qat_teacher.pt``, each tensor-parallel rank its shard) so that a resumed run
   distils from the same teacher.
+* Pipeline parallelism: each stage calibrates its own layers on the same first micro-batches, inside Bridge's
+  schedule (:class:`~nemo_fp4qat.qat.pipeline_parallel.StagedForward`), every stage's state is saved in one file
+  and taken back by its stage, and the end-of-training export assembles the whole model on rank 0.
 """
 
 from __future__ import annotations
@@ -153,8 +156,9 @@ class FP4QATBridgeCallback(_BridgeCallback):
             (see :meth:`forward_step`).
 
     Raises:
-        ConfigError: a field of ``config`` is wrong, or (at :meth:`install`) the run uses pipeline or virtual
-            pipeline parallelism.
+        ConfigError: a field of ``config`` is wrong, or (at :meth:`install`) the run uses the interleaved (virtual)
+            pipeline, QAD under pipeline parallelism, or an end-of-training export at tensor x pipeline
+            parallelism.
 
     Example:
         >>> qat = FP4QATBridgeCallback(QATConfig(policy="default", schedule="progressive"))
