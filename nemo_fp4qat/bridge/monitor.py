@@ -25,6 +25,7 @@ from ..monitor.analysis import analyze_model
 from ..monitor.findings import Finding, MonitorThresholds, add_finding, check_layer
 from ..monitor.report import summary_table, write_report
 from ..monitor.stages import exchange_findings, merge_stage_records
+from ..qat.pipeline_parallel import pipeline_world_size
 from ..qat.stage_names import stage_layer_offset, to_global_name
 from ..specs import ConfigError
 from .callback import FP4QATBridgeCallback, _BridgeCallback, _rank, _unwrap
@@ -85,11 +86,8 @@ class BridgeQuantizationMonitor(_BridgeCallback):
         return "+".join(sorted({w for w, _ in self.qat.controller.current.values()})) or "static"
 
     def on_train_start(self, context: Any) -> None:
-        from megatron.core import parallel_state as ps
-
-        if ps.model_parallel_is_initialized() and ps.get_pipeline_model_parallel_world_size() > 1:
-            self._pp = ps.get_pipeline_model_parallel_world_size()
-            self._offset = stage_layer_offset(_unwrap(context.model))
+        self._pp = pipeline_world_size()
+        self._offset = stage_layer_offset(_unwrap(context.model)) if self._pp > 1 else 0
 
     def on_train_step_end(self, context: Any) -> None:
         done = int(context.state.train_state.step) + 1  # Bridge advances its counter after this event

@@ -19,6 +19,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ..qat.fused_siblings import ENGINE_FUSED_NAMES
+
 __all__ = [
     "FUSED_SHARDS",
     "declare_for_engines",
@@ -45,7 +47,7 @@ def _weight_shapes(out: Path) -> dict[str, tuple[int, ...]]:
 
 
 # fused module the engines build -> the checkpoint's shards it is made of (Llama, Mistral, Qwen naming)
-FUSED_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+FUSED_SHARDS = {fused: shards for shards, fused in ENGINE_FUSED_NAMES.items()}
 
 
 def fused_aliases(quantized: dict[str, Any]) -> dict[str, Any]:

@@ -113,10 +113,14 @@ class ExportConfig:
         self.plan = EnginePlan.resolve_spec(self.plan)
 
 
+def _trained_dtype(model: nn.Module) -> torch.dtype:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
 def _dtype(model: nn.Module, cfg: ExportConfig) -> torch.dtype:
     if cfg.dtype is not None:
         return _DTYPES[cfg.dtype]
-    trained = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    trained = _trained_dtype(model)
     if cfg.kind == "trtllm" and trained not in (torch.float16, torch.bfloat16):
         return torch.float16  # the 16-bit dtype closest to float32 in range of these tensors (see ExportConfig)
     return trained
@@ -158,8 +162,7 @@ def _hf_dtypes(model: nn.Module, cfg: ExportConfig) -> tuple[torch.dtype, torch.
     """(the dtype modelopt packs from, the dtype the checkpoint declares): a float32 model asked for a 16-bit
     checkpoint is packed from its float32 weights, its unquantized tensors rounded afterwards (engine_dtype.py)."""
     declared = _dtype(model, cfg)
-    trained = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    if trained == torch.float32 and declared != torch.float32:
+    if _trained_dtype(model) == torch.float32 and declared != torch.float32:
         return torch.float32, declared
     if declared == torch.float32 and cfg.runtime == "trtllm":
         log.warning(

@@ -12,13 +12,14 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-__all__ = ["FUSED_SIBLING_SETS", "find_fused_siblings", "share_fused_amax"]
+__all__ = ["ENGINE_FUSED_NAMES", "FUSED_SIBLING_SETS", "find_fused_siblings", "share_fused_amax"]
 
-FUSED_SIBLING_SETS: tuple[tuple[str, ...], ...] = (
-    ("q_proj", "k_proj", "v_proj"),
-    ("gate_proj", "up_proj"),
-    ("w1", "w3"),  # Mixtral experts
-)
+# the module the serving engines (vLLM, SGLang, TensorRT-LLM's PyTorch backend) fuse each sibling set into
+ENGINE_FUSED_NAMES: dict[tuple[str, ...], str] = {
+    ("q_proj", "k_proj", "v_proj"): "qkv_proj",
+    ("gate_proj", "up_proj"): "gate_up_proj",
+}
+FUSED_SIBLING_SETS: tuple[tuple[str, ...], ...] = (*ENGINE_FUSED_NAMES, ("w1", "w3"))  # w1/w3: Mixtral experts
 
 
 def find_fused_siblings(model: nn.Module) -> list[list[str]]:

@@ -97,6 +97,18 @@ def this_stage(saved: Any, restart_hint: str = RESTART_HINT) -> Any:
 pipeline_layer_offset = stage_layer_offset  # the name this module has exported
 
 
+def _stage_input_shape(config: Any, tokens: Any) -> tuple[int, int, int]:
+    """The hidden states a stage receives for ``tokens`` (batch x sequence): ``(sequence, batch, hidden)``, the
+    sequence split over tensor-parallel ranks under sequence parallelism and over context-parallel ranks."""
+    from megatron.core import parallel_state as ps
+
+    batch, seq = tokens.shape
+    if getattr(config, "sequence_parallel", False):
+        seq //= ps.get_tensor_model_parallel_world_size()
+    seq //= max(1, getattr(config, "context_parallel_size", 1) or 1)
+    return seq, batch, config.hidden_size
+
+
 def pipeline_forward(model: nn.Module, inputs: dict[str, Any]) -> Any:
     """One forward of this rank's stage inside a forward of the whole pipeline.
 
@@ -109,13 +121,9 @@ def pipeline_forward(model: nn.Module, inputs: dict[str, Any]) -> Any:
 
     config = model.config
     comm = P2PCommunicator(pp_group=ps.get_pipeline_model_parallel_group(), config=config)
-    batch, seq = inputs["input_ids"].shape
-    if getattr(config, "sequence_parallel", False):
-        seq //= ps.get_tensor_model_parallel_world_size()
-    seq //= max(1, getattr(config, "context_parallel_size", 1) or 1)
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     if not first:
-        model.set_input_tensor(comm.recv_forward((seq, batch, config.hidden_size), is_first_stage=False))
+        model.set_input_tensor(comm.recv_forward(_stage_input_shape(config, inputs["input_ids"]), is_first_stage=False))
     try:
         out = model(**inputs)
     finally:
@@ -166,11 +174,8 @@ class StagedForward:
         kept = decoder.input_tensor
         if not ps.is_pipeline_first_stage():
             tokens = batch["tokens"] if isinstance(batch, dict) else batch
-            b, seq = tokens.shape
-            if getattr(config, "sequence_parallel", False):
-                seq //= ps.get_tensor_model_parallel_world_size()
             dtype = getattr(config, "pipeline_dtype", None) or config.params_dtype
-            hidden = torch.empty((seq, b, config.hidden_size), dtype=dtype, device=tokens.device)
+            hidden = torch.empty(_stage_input_shape(config, tokens), dtype=dtype, device=tokens.device)
             dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank(), group=self.group)
             model.set_input_tensor(hidden)
         try:
