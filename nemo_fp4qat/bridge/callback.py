@@ -20,9 +20,10 @@ front ends, so policies, schedules, calibration and export behave identically):
   its per-token KL takes the cross entropy's place inside the student
   (:class:`~nemo_fp4qat.qat.megatron_distillation.MegatronDistiller`), so Bridge's loss reduction and logging
   stay as they are; under tensor parallelism the teacher is sharded like the student and the KL is computed
-  over the vocabulary-parallel logits without gathering them. The copied teacher's weights are saved once beside
-  the checkpoints (``<save>/nemo_fp4qat_teacher.pt``, each tensor-parallel rank its shard) so that a resumed run
-  distils from the same teacher.
+  over the vocabulary-parallel logits without gathering them; under pipeline parallelism each stage's teacher runs
+  beside the student's stage and hands its hidden states on over a process group of its own. The copied teacher's
+  weights are saved once beside the checkpoints (``<save>/nemo_fp4qat_teacher.pt``, each tensor-parallel rank and
+  pipeline stage its part) so that a resumed run distils from the same teacher.
 * Pipeline parallelism: each stage calibrates its own layers on the same first micro-batches, inside Bridge's
   schedule (:class:`~nemo_fp4qat.qat.pipeline_parallel.StagedForward`), every stage's state is saved in one file
   and taken back by its stage, and the end-of-training export assembles the whole model on rank 0.
@@ -72,17 +73,16 @@ def _rank() -> int:
 
 
 def _teacher_file(save_dir: str | Path) -> Path:
-    """Where this rank's shard of the copied teacher is kept: one file per tensor-parallel rank (data-parallel
-    replicas hold the same shard)."""
-    from megatron.core import parallel_state
+    """Where this rank's part of the copied teacher is kept: one file per tensor-parallel rank and pipeline stage
+    (``nemo_fp4qat_teacher.tp1.pp0.pt``; data-parallel replicas hold the same part)."""
+    from megatron.core import parallel_state as ps
 
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    name = (
-        TEACHER_FILE
-        if tp == 1
-        else TEACHER_FILE.replace(".pt", f".tp{parallel_state.get_tensor_model_parallel_rank()}.pt")
-    )
-    return Path(save_dir) / name
+    parts = ""
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        parts += f".tp{ps.get_tensor_model_parallel_rank()}"
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        parts += f".pp{ps.get_pipeline_model_parallel_rank()}"
+    return Path(save_dir) / TEACHER_FILE.replace(".pt", f"{parts}.pt")
 
 
 def _first_replica() -> bool:
@@ -157,8 +157,7 @@ class FP4QATBridgeCallback(_BridgeCallback):
 
     Raises:
         ConfigError: a field of ``config`` is wrong, or (at :meth:`install`) the run uses the interleaved (virtual)
-            pipeline, QAD under pipeline parallelism, or an end-of-training export at tensor x pipeline
-            parallelism.
+            pipeline, or an end-of-training export at tensor x pipeline parallelism.
 
     Example:
         >>> qat = FP4QATBridgeCallback(QATConfig(policy="default", schedule="progressive"))
@@ -218,12 +217,6 @@ class FP4QATBridgeCallback(_BridgeCallback):
                 "schedule's model chunks are not supported; set it to None (pipeline parallelism itself is)."
             )
         pp = getattr(model, "pipeline_model_parallel_size", None) or 1
-        if pp > 1 and self.qad is not None:
-            raise ConfigError(
-                f"distillation (QAD) with pipeline_model_parallel_size={pp}: the teacher would have to run through "
-                "the pipeline beside the student, which is not implemented. Distil at pipeline_model_parallel_size=1 "
-                "(raise tensor_model_parallel_size to fit the model), or train without distillation."
-            )
         if pp > 1 and getattr(model, "tensor_model_parallel_size", 1) > 1 and self.config.export_dir:
             raise ConfigError(
                 f"export_dir with tensor_model_parallel_size={model.tensor_model_parallel_size} and "
@@ -351,8 +344,11 @@ class FP4QATBridgeCallback(_BridgeCallback):
                          ev["modules"])  # fmt: skip
 
     def on_train_step_end(self, context: Any) -> None:
+        # the step's schedule is over: the next stage has received every activation sent to it
         if self._staged is not None:
-            self._staged.flush()  # the step's schedule is over: the next stage has received every activation
+            self._staged.flush()
+        if self.distiller is not None:
+            self.distiller.flush()
 
     def on_checkpoint_save(self, context: Any) -> None:
         from megatron.bridge.training.utils.checkpoint_utils import get_checkpoint_name

@@ -12,6 +12,13 @@ loaded at the run's shape) return vocabulary-parallel logits, which are never ga
 denominators across the tensor-parallel group and returns each rank's share of the KL; the shares are summed
 across the group the way Bridge's ``_mask_loss`` does (an all-reduce outside autograd), so every rank holds the
 whole per-token KL, as it holds the whole cross entropy, and back-propagates its own vocabulary slice.
+
+Under pipeline parallelism the teacher is staged like the student (a copy of each stage on its rank, or a
+checkpoint loaded at the run's shape): every training forward of a student stage runs the teacher's same stage
+first, on the hidden states the previous teacher stage sent for that micro-batch, and sends its own on, on a
+process group of its own (:class:`~nemo_fp4qat.qat.pipeline_parallel.StagedForward`), so the schedule's
+point-to-point traffic is the student's alone; the last stage holds the teacher's logits when the student's
+loss is computed. The front ends call :meth:`MegatronDistiller.flush` when a step's schedule is over.
 """
 
 from __future__ import annotations
@@ -78,6 +85,23 @@ def frozen_copy(model: nn.Module) -> nn.Module:
         return freeze(_copy_sharing_process_groups(model))
 
 
+def _teacher_forward(teacher: nn.Module, inputs: tuple[tuple, dict]) -> Any:
+    args, kwargs = inputs
+    return teacher(*args, **kwargs)
+
+
+def _staged_teacher(student: nn.Module) -> Any:
+    """The teacher's stage forward under pipeline parallelism (its process group created: a collective, every
+    rank builds its distiller together), ``None`` without it."""
+    from .pipeline_parallel import StagedForward, pipeline_world_size
+
+    if pipeline_world_size() == 1:
+        return None
+    staged = StagedForward(_teacher_forward)
+    staged.setup()
+    return staged
+
+
 class MegatronDistiller:
     """Puts ``alpha * T^2 * KL(teacher || student) + (1 - alpha) * CE`` per token in place of the megatron-core
     student's cross entropy (validation forwards, which are not in training mode, keep the cross entropy).
@@ -98,13 +122,32 @@ class MegatronDistiller:
         self.teacher = teacher  # a plain attribute: never part of the student's state dict or optimizer
         self._student = student
         self._inputs: tuple[tuple, dict] | None = None
+        self._teacher_logits: torch.Tensor | None = None
+        self._staged = _staged_teacher(student)
         self._hook = student.register_forward_pre_hook(self._capture, with_kwargs=True)
         self._saved = student.__dict__.get("compute_language_model_loss", _MISSING)
         student.compute_language_model_loss = self._make_loss(student.compute_language_model_loss)
 
     def _capture(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if module.training:
-            self._inputs = (args, {k: v for k, v in kwargs.items() if k not in _NOT_TEACHER_INPUTS})
+        if not module.training:
+            return
+        inputs = (args, {k: v for k, v in kwargs.items() if k not in _NOT_TEACHER_INPUTS})
+        if self._staged is None:
+            self._inputs = inputs  # the teacher runs when the loss is computed
+            return
+        # a stage's input is the hidden states the schedule set on the student's decoder (none on the first stage)
+        received = module.decoder.input_tensor
+        shape = tuple(received.shape) if received is not None else None
+        with torch.no_grad():
+            out = self._staged(self.teacher, inputs, input_shape=shape)
+        if module.post_process:
+            self._teacher_logits, self._inputs = out, inputs
+
+    def flush(self) -> None:
+        """Wait for the teacher's hidden states sent to the next stage (at a step's end, when the schedule is over;
+        nothing to do without pipeline parallelism)."""
+        if self._staged is not None:
+            self._staged.flush()
 
     def teacher_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.teacher.parameters())
@@ -114,9 +157,11 @@ class MegatronDistiller:
             if self._inputs is None:  # not a training forward (e.g. validation): plain cross entropy
                 return original(labels, logits)
             args, kwargs = self._inputs
-            self._inputs = None
-            with torch.no_grad():
-                teacher_logits = self.teacher(*args, **kwargs)  # [b, s, v] without labels
+            self._inputs, teacher_logits = None, self._teacher_logits
+            self._teacher_logits = None
+            if teacher_logits is None:
+                with torch.no_grad():
+                    teacher_logits = self.teacher(*args, **kwargs)  # [b, s, v] without labels
             kd = self.kd_per_token(logits, teacher_logits.transpose(0, 1))  # [b, s]
             a = self.cfg.alpha
             return a * kd + (1.0 - a) * original(labels, logits) if a < 1.0 else kd
@@ -136,6 +181,7 @@ class MegatronDistiller:
 
     def remove(self) -> None:
         """Take the hook off and give the student its own loss back."""
+        self.flush()
         self._hook.remove()
         if self._saved is _MISSING:
             self._student.__dict__.pop("compute_language_model_loss", None)

@@ -162,7 +162,9 @@ class StagedForward:
         if self.group is None:
             self.group = dist.new_group(list(range(dist.get_world_size())))
 
-    def __call__(self, model: nn.Module, batch: Any) -> Any:
+    def __call__(self, model: nn.Module, batch: Any, input_shape: tuple[int, ...] | None = None) -> Any:
+        """This stage's forward of ``model`` on ``batch``; ``input_shape``: the shape of the hidden states it
+        receives (by default from the batch's tokens, which stages between the first and the last may not have)."""
         import torch
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
@@ -173,9 +175,12 @@ class StagedForward:
         decoder = model.decoder
         kept = decoder.input_tensor
         if not ps.is_pipeline_first_stage():
-            tokens = batch["tokens"] if isinstance(batch, dict) else batch
             dtype = getattr(config, "pipeline_dtype", None) or config.params_dtype
-            hidden = torch.empty(_stage_input_shape(config, tokens), dtype=dtype, device=tokens.device)
+            if input_shape is None:
+                tokens = batch["tokens"] if isinstance(batch, dict) else batch
+                input_shape = _stage_input_shape(config, tokens)
+            device = next(model.parameters()).device
+            hidden = torch.empty(input_shape, dtype=dtype, device=device)
             dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank(), group=self.group)
             model.set_input_tensor(hidden)
         try:

@@ -107,6 +107,49 @@ def test_bridge_qad_at_tensor_parallel_2_matches_tp_1_and_resumes_exactly(tmp_pa
         assert got["fc1_weight_sum"] == want["fc1_weight_sum"]
 
 
+def _last_stage(run):
+    """The losses of a run's last pipeline stage (every one of its tensor-parallel ranks reports the same)."""
+    ranks = run.get("ranks") or [run]
+    last = [r["losses"] for r in ranks if r["losses"]]
+    assert last and all(x == last[0] for x in last), last
+    return last[0]
+
+
+@pytest.mark.parametrize(
+    ("shape", "reference"),
+    [({"PP": 2, "TP": 1}, {"PP": 1, "TP": 1}),
+     pytest.param({"PP": 2, "TP": 2}, {"PP": 1, "TP": 2}, marks=pytest.mark.slow_bridge)],
+    ids=["pp2", "tp2xpp2"],
+)  # fmt: skip
+def test_bridge_qad_under_pipeline_parallelism_matches_one_stage_and_resumes_exactly(tmp_path, shape, reference):
+    """QAD at PP=2 (and TP 2 x PP 2): each stage's teacher (a copy of the stage as loaded) runs beside the student's
+    stage, handing its hidden states on over its own process group; the last stage's KL equals the one-stage run's
+    on the same data within 1e-5 relative at every step; killed after step 2 and resumed (each stage restoring its
+    own part of the teacher), steps 3-4 equal the uninterrupted run bit for bit on every rank."""
+    common = dict(STEPS=4, SWITCH_AT=0, QAD=1)  # NVFP4 from the first step: a KL well above float32's noise
+    n = shape["TP"] * shape["PP"]
+    one = _run(tmp_path, "one", tmp_path / "one_ckpt", nproc=reference["TP"], SAVE_INTERVAL=100, **reference,
+               **common)  # fmt: skip
+    staged = _run(tmp_path, "staged", tmp_path / "staged_ckpt", nproc=n, SAVE_INTERVAL=100, **shape, **common)
+    assert [(r["tp"], r["pp"]) for r in staged["ranks"]] == [(shape["TP"], 2)] * n
+    want, got = _last_stage(one), _last_stage(staged)
+    assert sorted(want) == sorted(got) == ["1", "2", "3", "4"]
+    for step, loss in want.items():
+        assert 0 < loss < 1.0 and abs(got[step] - loss) <= 1e-5 * loss, (step, want, got)
+
+    ckpt = tmp_path / "ckpt"
+    _run(tmp_path, "first", ckpt, nproc=n, SAVE_INTERVAL=2, EXIT_AT=2, **shape, **common)
+    tp_parts = [f".tp{r}" for r in range(shape["TP"])] if shape["TP"] > 1 else [""]
+    assert {p.name for p in ckpt.glob("nemo_fp4qat_teacher*.pt")} == {
+        f"nemo_fp4qat_teacher{t}.pp{s}.pt" for t in tp_parts for s in (0, 1)
+    }
+    resumed = _run(tmp_path, "resumed", ckpt, nproc=n, SAVE_INTERVAL=100, **shape, **common)
+    assert "QAD teacher (restored from" in resumed["log"]
+    for got_rank, want_rank in zip(resumed["ranks"], staged["ranks"], strict=True):
+        assert got_rank["losses"] == {s: v for s, v in want_rank["losses"].items() if int(s) > 2}
+        assert got_rank["fc1_weight_sum"] == want_rank["fc1_weight_sum"]
+
+
 def _export_tensors(path):
     from safetensors.torch import load_file
 
