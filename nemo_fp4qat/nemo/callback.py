@@ -125,12 +125,6 @@ class NeMoFP4QATCallback(FP4QATCallback):
                 "tensor-parallel shards. Train without export_dir and export from the final checkpoint in a run "
                 "without pipeline parallelism, or use one of the two parallelisms."
             )
-        if self.qad is not None and pp > 1:
-            raise ValueError(
-                f"distillation (QAD) with pipeline_model_parallel_size={pp}: NeMoFP4QATCallback distils without "
-                "pipeline parallelism (the teacher would have to run stage by stage beside the student); use "
-                "tensor and data parallelism, or NeMo's llm.distill for a pipeline-parallel teacher."
-            )
 
         # MegatronStrategy.load_checkpoint builds the sharded state dict to load from the model as it
         # is: quantizers must already be in the checkpoint's formats, with its amax buffers, or their
@@ -195,6 +189,13 @@ class NeMoFP4QATCallback(FP4QATCallback):
             f"nemo_fp4qat: QAD teacher ({source}) holds {self.qad_distiller.teacher_bytes() / 2**20:.1f} MiB "
             f"(alpha {self.qad.alpha}, T {self.qad.temperature})"
         )
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.qad_distiller is not None:  # the step's schedule is over: every stage received its teacher input
+            self.qad_distiller.flush()
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.qad_distiller is not None:

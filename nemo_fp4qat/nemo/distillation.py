@@ -10,8 +10,9 @@ The teacher is built the way NeMo's own ``llm.distill`` builds one (``teacher_pr
 ``RestoreConfig``, a path given as ``DistillationConfig.teacher``, or the one saved in a resumed run's callback
 state. Without any, a fresh run copies the student as restored, before calibration, with its quantizers off.
 Under tensor parallelism the teacher is sharded like the student (``teacher_provider`` loads the checkpoint at
-the run's shape; a copy stays on the same ranks) and the KL is taken over the vocabulary-parallel logits.
-Pipeline-parallel runs are refused: the teacher would have to run stage by stage beside the student.
+the run's shape; a copy stays on the same ranks) and the KL is taken over the vocabulary-parallel logits; under
+pipeline parallelism each rank's teacher is its stage (``configure_model`` builds the stage the rank holds) and
+runs beside the student's stage.
 """
 
 from __future__ import annotations

@@ -104,6 +104,9 @@ if __name__ == "__main__":
                 d = cb.qad_distiller if cb is not None else None
                 if d is None:  # not a QAD run
                     return
+                if PP > 1:  # a stage alone has no logits to compare; the losses are compared with the PP=1 run's
+                    marks["qad_check"] = {"teacher_path": cb.qad_teacher_path, "teacher_bytes": d.teacher_bytes()}
+                    return
                 # the per-token loss NeMo reduces, on a real batch, against a float64 KL of the two models' logits
                 b, mm = cb.controller.calib_batches[0], megatron_module(pl_module)
                 inputs = {"input_ids": b["tokens"], "position_ids": b["position_ids"],
