@@ -164,7 +164,7 @@ def test_qad_under_pipeline_parallelism_matches_one_stage_and_resumes(tmp_path):
     assert r0["qad_check"]["teacher_path"] == str(base_ckpt)
     q0, q1 = run_worker(tmp_path, "qad_pp2_resumed", "qad_resume", str(base_ckpt), str(mid), steps=4, devices=2,
                         PP=2, **env)  # fmt: skip
-    assert q1["qad_check"]["teacher_path"] == str(base_ckpt)
+    assert q1["qad_check"]["teacher_path"] == str(base_ckpt) and q0["losses"] == q1["losses"]
     for step in ("3", "4"):
         assert q1["losses"][step] == pytest.approx(r1["losses"][step], rel=1e-6), (step, q1["losses"], r1["losses"])
 
