@@ -26,7 +26,8 @@ front ends, so policies, schedules, calibration and export behave identically):
   pipeline stage its part) so that a resumed run distils from the same teacher.
 * Pipeline parallelism: each stage calibrates its own layers on the same first micro-batches, inside Bridge's
   schedule (:class:`~nemo_fp4qat.qat.pipeline_parallel.StagedForward`), every stage's state is saved in one file
-  and taken back by its stage, and the end-of-training export assembles the whole model on rank 0.
+  and taken back by its stage. Under tensor and/or pipeline parallelism the end-of-training export assembles the
+  whole model on rank 0 (:func:`~nemo_fp4qat.qat.whole_model.gather_whole_model`).
 """
 
 from __future__ import annotations
@@ -46,13 +47,8 @@ from ..qat.config import QATConfig
 from ..qat.controller import QATController
 from ..qat.distillation import DistillationConfig
 from ..qat.megatron_distillation import MegatronDistiller, freeze, frozen_copy
-from ..qat.pipeline_parallel import (
-    StagedForward,
-    every_stage,
-    gather_pipeline_model,
-    modelopt_single_process,
-    this_stage,
-)
+from ..qat.pipeline_parallel import StagedForward, every_stage, this_stage
+from ..qat.whole_model import alone_on_rank_0, gather_whole_model, sharded_over_ranks
 from ..specs import ConfigError, from_fields
 
 __all__ = ["STATE_FILE", "TEACHER_FILE", "FP4QATBridgeCallback", "bridge_gpt_forward"]
@@ -157,7 +153,7 @@ class FP4QATBridgeCallback(_BridgeCallback):
 
     Raises:
         ConfigError: a field of ``config`` is wrong, or (at :meth:`install`) the run uses the interleaved (virtual)
-            pipeline, or an end-of-training export at tensor x pipeline parallelism.
+            pipeline.
 
     Example:
         >>> qat = FP4QATBridgeCallback(QATConfig(policy="default", schedule="progressive"))
@@ -217,13 +213,6 @@ class FP4QATBridgeCallback(_BridgeCallback):
                 "schedule's model chunks are not supported; set it to None (pipeline parallelism itself is)."
             )
         pp = getattr(model, "pipeline_model_parallel_size", None) or 1
-        if pp > 1 and getattr(model, "tensor_model_parallel_size", 1) > 1 and self.config.export_dir:
-            raise ConfigError(
-                f"export_dir with tensor_model_parallel_size={model.tensor_model_parallel_size} and "
-                f"pipeline_model_parallel_size={pp}: the end-of-training export assembles the stages but does not "
-                "merge tensor-parallel shards. Export from the saved checkpoint at tensor_model_parallel_size=1, or "
-                "leave export_dir unset."
-            )
         self._staged = StagedForward(bridge_gpt_forward) if pp > 1 else None
         if self._staged is not None:
             self.controller.forward_fn = self._staged
@@ -395,21 +384,27 @@ class FP4QATBridgeCallback(_BridgeCallback):
             self.distiller = None
         if not self.config.export_dir:
             return
-        if self._staged is None:
+        if not sharded_over_ranks():
             if _rank() == 0:
                 self.exported = self.export_model(_unwrap(context.model), self.config.export_dir)
             return
-        whole = gather_pipeline_model(self._whole_model, _unwrap(context.model), self.controller)  # every rank
+        whole = gather_whole_model(self._whole_model, _unwrap(context.model), self.controller)  # every rank
         if whole is not None:
-            with modelopt_single_process():
+            with alone_on_rank_0():
                 self.exported = self.export_model(whole, self.config.export_dir)
         torch.distributed.barrier()
 
     def _whole_model(self) -> nn.Module:
-        """The run's model without pipeline parallelism, from its provider (a shallow copy: the provider holds
-        process groups)."""
+        """The run's model at tensor and pipeline size 1, from its provider (a shallow copy: the provider holds
+        process groups), its vocabulary padded as the run padded it; built inside ``alone_on_rank_0``."""
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
         provider = copy.copy(self._provider)
-        provider.pipeline_model_parallel_size = 1
+        tp = provider.tensor_model_parallel_size or 1
+        provider.make_vocab_size_divisible_by = provider.make_vocab_size_divisible_by * tp
+        provider.tensor_model_parallel_size = provider.pipeline_model_parallel_size = 1
+        provider.sequence_parallel = False
+        provider._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         return provider.provide(pre_process=True, post_process=True)
 
     def export_model(self, model: nn.Module, out_dir: str | Path) -> Path:

@@ -23,14 +23,8 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from ..lightning.callback import CHECKPOINT_KEY, FP4QATCallback
 from ..qat.distillation import DistillationConfig
-from ..qat.pipeline_parallel import (
-    every_stage,
-    gather_pipeline_model,
-    modelopt_single_process,
-    pipeline_forward,
-    pipeline_world_size,
-    this_stage,
-)
+from ..qat.pipeline_parallel import every_stage, pipeline_forward, pipeline_world_size, this_stage
+from ..qat.whole_model import alone_on_rank_0, gather_whole_model, sharded_over_ranks
 
 __all__ = ["NeMoFP4QATCallback", "megatron_module", "nemo_gpt_forward"]
 
@@ -117,14 +111,6 @@ class NeMoFP4QATCallback(FP4QATCallback):
         if stage != "fit" or not isinstance(trainer.strategy, MegatronStrategy):
             return
         self._keep_final_checkpoint_resumable(trainer)
-        tp, pp = trainer.strategy.tensor_model_parallel_size, trainer.strategy.pipeline_model_parallel_size
-        if self.export_dir and tp > 1 and pp > 1:
-            raise ValueError(
-                f"an end-of-training export (export_dir) with tensor_model_parallel_size={tp} and "
-                f"pipeline_model_parallel_size={pp}: the export assembles the stages on one rank and does not merge "
-                "tensor-parallel shards. Train without export_dir and export from the final checkpoint in a run "
-                "without pipeline parallelism, or use one of the two parallelisms."
-            )
 
         # MegatronStrategy.load_checkpoint builds the sharded state dict to load from the model as it
         # is: quantizers must already be in the checkpoint's formats, with its amax buffers, or their
@@ -222,26 +208,30 @@ class NeMoFP4QATCallback(FP4QATCallback):
         super().sync_to_saved(root, this_stage(saved, _RESTART_HINT), state_dict)
 
     def export_at_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Under pipeline parallelism the whole model is first assembled on global rank 0 from every stage
-        (:func:`~nemo_fp4qat.qat.pipeline_parallel.gather_pipeline_model`), so the export holds every layer."""
-        if pipeline_world_size() == 1:
+        """Under tensor and/or pipeline parallelism the whole model is first assembled on global rank 0 from every
+        shard and stage (:func:`~nemo_fp4qat.qat.whole_model.gather_whole_model`), so the export holds every
+        layer whole."""
+        if not sharded_over_ranks():
             super().export_at_end(trainer, pl_module)
             return
         import torch.distributed as dist
 
-        def build_whole() -> nn.Module:  # the run's NeMo config without pipeline parallelism
+        def build_whole() -> nn.Module:  # the run's NeMo config at size 1, the vocabulary padded as the run's
             config = copy.deepcopy(pl_module.config)
-            config.pipeline_model_parallel_size = 1
+            tp = config.tensor_model_parallel_size or 1
+            config.make_vocab_size_divisible_by = config.make_vocab_size_divisible_by * tp
+            config.tensor_model_parallel_size = config.pipeline_model_parallel_size = 1
+            config.sequence_parallel = False
             return config.configure_model(pl_module.tokenizer, pre_process=True, post_process=True)
 
-        whole = gather_pipeline_model(build_whole, self.target_module(pl_module), self.controller)
+        whole = gather_whole_model(build_whole, self.target_module(pl_module), self.controller)
         if whole is not None:
-            with modelopt_single_process():
+            with alone_on_rank_0():
                 self.export_model(pl_module, self.export_dir, module=whole)
         dist.barrier()
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if pipeline_world_size() == 1:
+        if not sharded_over_ranks():
             super().on_fit_end(trainer, pl_module)
             return
         # every stage takes part in assembling the model, so every rank decides alike whether an export is owed

@@ -1,4 +1,4 @@
-"""Pipeline parallelism: a forward through every stage for calibration, and what a stage holds.
+"""Pipeline parallelism: a forward through every stage (calibration, the QAD teacher), and what a stage holds.
 
 Under pipeline parallelism each rank holds a stage (a run of layers; the first also the embedding,
 the last also the output layer) under local names (``decoder.layers.0`` is the stage's first layer).
@@ -15,19 +15,16 @@ peers in the same stage), never across stages, which hold other layers
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch.nn as nn
 
-from .stage_names import stage_layer_offset, to_global_name
+from .stage_names import stage_layer_offset
 
 __all__ = [
     "StagedForward",
     "every_stage",
-    "gather_pipeline_model",
-    "modelopt_single_process",
     "pipeline_forward",
     "pipeline_layer_offset",
     "pipeline_world_size",
@@ -134,7 +131,8 @@ def pipeline_forward(model: nn.Module, inputs: dict[str, Any]) -> Any:
 
 
 class StagedForward:
-    """A calibration forward of this rank's stage that works inside a pipeline schedule as well as outside it.
+    """A forward of this rank's stage (a calibration batch, the QAD teacher) that works inside a pipeline schedule
+    as well as outside it.
 
     Megatron-Bridge hands the run's micro-batches to its forward step inside megatron-core's pipeline schedule,
     where a later stage waits in the schedule's receive for the first micro-batch: a calibration forward through
@@ -198,88 +196,3 @@ class StagedForward:
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()
-
-
-def _global_controller_state(state: dict[str, Any], offset: int) -> dict[str, Any]:
-    out = dict(state)
-    out["current"] = {to_global_name(m, offset): f for m, f in state["current"].items()}
-    out["ramps"] = {to_global_name(q, offset): r for q, r in state["ramps"].items()}
-    return out
-
-
-@contextlib.contextmanager
-def modelopt_single_process() -> Iterator[None]:
-    """modelopt sees no process group inside the block (its ``distributed`` helpers report one process).
-
-    The model :func:`gather_pipeline_model` assembles lives on one rank; modelopt's TensorRT-LLM exporter would
-    otherwise read the run's world size as tensor parallelism and wait for the other ranks to merge shards.
-    """
-    from modelopt.torch.utils import distributed as mdist
-
-    original = mdist.is_initialized
-    mdist.is_initialized = lambda: False
-    try:
-        yield
-    finally:
-        mdist.is_initialized = original
-
-
-def gather_pipeline_model(build_whole: Callable[[], nn.Module], module: nn.Module, controller: Any) -> nn.Module | None:
-    """The whole model of a pipeline-parallel run, assembled on global rank 0 (``None`` on the other ranks).
-
-    A collective: every rank sends its stage's tensors (weights and quantizer buffers, under the whole
-    model's layer names) and schedule state to rank 0, which builds the model without pipeline
-    parallelism with ``build_whole`` (the run's own model config with ``pipeline_model_parallel_size=1``:
-    NeMo's ``configure_model``, a Megatron-Bridge model provider's ``provide``), inserts the quantizers from
-    the run's policy, puts every stage's quantizers in their trained formats and loads every stage's tensors.
-    The result holds exactly what the stages trained, so the export and its validation see every layer.
-    Rank 0 needs the host memory of the whole model.
-
-    Raises:
-        ValueError: tensor parallelism together with pipeline parallelism (the shards are not merged here).
-    """
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    if ps.get_tensor_model_parallel_world_size() > 1:
-        raise ValueError(
-            "An end-of-training export of a run with both tensor and pipeline parallelism is not supported: export "
-            "from its checkpoint with a run at pipeline_model_parallel_size=1, or train with one of the two."
-        )
-    offset = pipeline_layer_offset(module)
-    payload = None
-    if ps.get_data_parallel_rank(with_context_parallel=True) == 0:  # one copy of each stage
-        payload = {
-            "tensors": {
-                to_global_name(k, offset): v.detach().cpu()
-                for k, v in module.state_dict().items()
-                if isinstance(v, torch.Tensor)
-            },
-            "controller": _global_controller_state(controller.state_dict(), offset),
-            "stage": ps.get_pipeline_model_parallel_rank(),
-        }
-    gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(payload, gathered, dst=0)
-    if dist.get_rank() != 0:
-        return None
-    stages = sorted((p for p in gathered if p is not None), key=lambda p: p["stage"])
-    tensors = {k: v for p in stages for k, v in p["tensors"].items()}
-    state = dict(stages[0]["controller"])
-    state["current"] = {m: f for p in stages for m, f in p["controller"]["current"].items()}
-    state["ramps"] = {q: r for p in stages for q, r in p["controller"]["ramps"].items()}
-
-    with torch.random.fork_rng(devices=[]):  # building initializes weights; the run's RNG streams stay as they are
-        whole = build_whole()
-    whole = whole.to(next(module.parameters()).dtype)
-    rebuilt = type(controller)(
-        policy=controller.policy,
-        schedule=controller.schedule,
-        calibration=controller.calibration,
-        share_fused_amax=controller.share_fused_amax,
-    )
-    rebuilt.total_steps = controller.total_steps
-    rebuilt.prepare(whole)
-    rebuilt.sync_to_checkpoint(whole, state, tensors)
-    whole.load_state_dict(tensors, strict=True)
-    return whole.eval()

@@ -7,9 +7,10 @@ default 6), ``EXIT_AT`` (stop after that step, saving a checkpoint there), ``SAV
 throughout), ``QAD`` (``1``: distil from the model as loaded), ``MONITOR`` (a ``BridgeQuantizationMonitor`` every 2
 steps whose weight error threshold is this value; its report goes to CKPT_DIR/quant_report), ``TP``
 (tensor_model_parallel_size; when set, the tiny GPT's matrices are drawn whole from a seed per parameter name and
-each rank keeps its shard, so that every TP size starts from the same model, and its MLP is not gated, whose fused
-gate/up shards interleave), ``PP`` (pipeline_model_parallel_size; the matrices drawn by their whole-model names,
-so that every PP size starts from the same model). A checkpoint in CKPT_DIR is resumed. Writes losses per step,
+each rank keeps its shard (the gated fc1's gate and up rows sharded each), so that every TP size starts from the same
+model), ``PP`` (pipeline_model_parallel_size; the matrices drawn by their whole-model names,
+so that every PP size starts from the same model), ``GATED`` (``0``: a plain MLP). A checkpoint in CKPT_DIR is
+resumed. Writes losses per step,
 the probe layer's formats per step, and the final amax to OUT_JSON (global rank N > 0: OUT_JSON.rankN).
 """
 
@@ -29,6 +30,7 @@ QAD = os.environ.get("QAD") == "1"
 MONITOR = float(os.environ["MONITOR"]) if os.environ.get("MONITOR") else None
 TP = int(os.environ["TP"]) if os.environ.get("TP") else None
 PP = int(os.environ.get("PP", "1"))
+GATED = os.environ.get("GATED", "1") == "1"  # the tiny GPT's MLP gated (SwiGLU, as Llama's)
 SEQ, VOCAB = (32, 256) if MODEL == "tiny" else (64, 49152)
 LR = 3e-3 if MODEL == "tiny" else 1e-5
 
@@ -52,7 +54,13 @@ def same_model_at_any_tp(chunks):
             dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
             shape = [n * size if d == dim else n for d, n in enumerate(p.shape)]
             whole = 0.1 * torch.randn(shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
-            p.copy_(whole if dim is None else whole.chunk(size, dim)[rank])
+            if dim is None:
+                p.copy_(whole)
+            elif name.endswith("mlp.linear_fc1.weight"):  # gated: each rank holds its gate rows, then its up rows
+                gate, up = whole.chunk(2, 0)
+                p.copy_(torch.cat([gate.chunk(size, 0)[rank], up.chunk(size, 0)[rank]]))
+            else:
+                p.copy_(whole.chunk(size, dim)[rank])
     return chunks
 
 
@@ -99,7 +107,7 @@ if __name__ == "__main__":
             model = GPTModelProvider(
                 num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4, vocab_size=VOCAB,
                 make_vocab_size_divisible_by=128, position_embedding_type="rope", normalization="RMSNorm",
-                activation_func=torch.nn.functional.silu, gated_linear_unit=TP is None, add_bias_linear=False,
+                activation_func=torch.nn.functional.silu, gated_linear_unit=GATED, add_bias_linear=False,
                 share_embeddings_and_output_weights=False, tensor_model_parallel_size=TP or 1,
                 pipeline_model_parallel_size=PP, **cpu_fields,
             )  # fmt: skip

@@ -1,0 +1,79 @@
+"""A recipe's layer policy checked against its model's module names, without building the model.
+
+A Megatron-Bridge recipe at a cluster shape (Llama-3-70B at TP 8 x PP 4) cannot be built on one machine, but the
+names its layers take do not depend on the shape or the depth: a two-layer copy of the recipe's model provider,
+built on the meta device (no memory) at tensor and pipeline size 1, has the same module names per layer. The
+policy resolved against it shows which format every layer of the real run gets.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+from ..qat.policy import LayerPolicy, PolicyTable
+
+__all__ = ["policy_plan"]
+
+_GPU_FUSIONS = (
+    "apply_rope_fusion",
+    "bias_activation_fusion",
+    "bias_dropout_fusion",
+    "masked_softmax_fusion",
+    "persist_layer_norm",
+    "cross_entropy_loss_fusion",
+    "gradient_accumulation_fusion",
+)
+
+
+def _one_process_group() -> None:
+    """torch.distributed and megatron-core's parallel state for one process (gloo), unless already set up."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(1, 1)
+
+
+def policy_plan(provider: Any, policy: str | dict | LayerPolicy, num_layers: int = 2) -> PolicyTable:
+    """The layer policy resolved against the module names of the model ``provider`` builds.
+
+    Args:
+        provider: a Megatron-Bridge model provider (``cfg.model`` of a recipe); it is not changed.
+        policy: a preset name, a policy dict or YAML path, or a :class:`~nemo_fp4qat.LayerPolicy`.
+        num_layers: how many transformer layers the copy has (every layer is named alike).
+
+    The copy is built on the meta device at tensor and pipeline size 1 with megatron-core's local layer spec
+    (Transformer Engine's layers, which need a GPU, name their linear layers alike), in a one-process group when
+    torch.distributed is not initialized (call it from a dry run, not inside a training run).
+    """
+    from megatron.bridge.models.gpt_provider import local_layer_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.enums import AttnBackend
+
+    _one_process_group()
+    small = copy.copy(provider)
+    small.num_layers = num_layers
+    small.tensor_model_parallel_size = small.pipeline_model_parallel_size = small.context_parallel_size = 1
+    small.virtual_pipeline_model_parallel_size = None
+    small.pipeline_model_parallel_layout = None
+    small.num_layers_in_first_pipeline_stage = small.num_layers_in_last_pipeline_stage = None
+    small.sequence_parallel = False
+    small.init_model_with_meta_device = True
+    small.use_cpu_initialization, small.perform_initialization = True, False  # no GPU, no weights to draw
+    small.transformer_layer_spec = local_layer_spec
+    small.transformer_impl = "local"
+    for fused in _GPU_FUSIONS:  # fused kernels the recipe turns on for GPUs; module names do not depend on them
+        setattr(small, fused, False)
+    small.attention_backend = AttnBackend.local
+    small.cuda_graph_impl = "none"
+    small.tp_comm_overlap = False
+    small.finalize()
+    small._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    model = small.provide(pre_process=True, post_process=True)
+    return LayerPolicy.resolve_spec(policy).resolve(model)
