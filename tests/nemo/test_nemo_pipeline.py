@@ -182,7 +182,16 @@ def test_qad_and_export_at_tensor_x_pipeline_parallel_match_one_rank(tmp_path):
     for step in ("1", "2", "3", "4"):
         assert 0 < one["losses"][step] < 1.0
         assert last[step] == pytest.approx(one["losses"][step], rel=1e-5), (step, one["losses"], last)
-    assert_same_export(tmp_path / "e4", tmp_path / "e1", layers=8)
+    # the key projection's bias has no gradient in exact arithmetic (softmax ignores it): Adam turns its float32 noise
+    # into lr-sized steps that differ with each shape's summation order; the query and value parts must agree
+    assert_same_export(tmp_path / "e4", tmp_path / "e1", layers=8, atol={"attention.qkv.bias": 1e-4})
+    from safetensors.torch import load_file
+
+    a, b = (load_file(str(tmp_path / e / "rank0.safetensors")) for e in ("e1", "e4"))
+    for layer in (0, 1):
+        one, four = (t[f"transformer.layers.{layer}.attention.qkv.bias"].float().chunk(3) for t in (a, b))
+        for part in (0, 2):  # query, value
+            assert torch.allclose(one[part], four[part], rtol=1e-3, atol=1e-7), (layer, part)
 
 
 @pytest.mark.slow_nemo
