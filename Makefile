@@ -59,7 +59,7 @@ test-core: $(CORE)/.stamp
 test-nemo: $(NEMO)/.stamp
 	NEMO_FP4QAT_REQUIRE_NEMO=1 $(NEMO)/bin/python -m pytest -q -m "not core_only and not bridge and not slow_nemo" tests
 
-# Every NeMo test: make test's subset plus the pipeline-parallel refusals, TP x PP and the kill/resume test.
+# Every NeMo test: make test's subset plus QAD and export under pipeline parallelism, TP x PP and the kill/resume test.
 test-nemo-all: $(NEMO)/.stamp
 	NEMO_FP4QAT_REQUIRE_NEMO=1 $(NEMO)/bin/python -m pytest -q -m "not core_only and not bridge" tests
 
