@@ -4,7 +4,8 @@ The accuracy tables scored 100 next-sentence tasks (standard error ~0.05 per row
 rows a few points apart. Here the demo's rows are rebuilt on one seed (BF16 fine-tune; PTQ with max
 calibration and with the demo's recipe; QAD without and with the recipe, and with FP8 MLP activations +
 block scale search; every QAD model exported and scored as served) and each is scored on ``--tasks``
-next-sentence tasks from Persuasion (4 choices, chance 0.25). Pairs of rows are compared task by task
+next-sentence tasks from Persuasion (4 choices, chance 0.25) through lm-evaluation-harness (the shipped
+``fp4qat_next_sentence`` task, its per-document records). Pairs of rows are compared task by task
 (:func:`nemo_fp4qat.eval.paired.paired_difference`: paired standard error and McNemar's exact test), which
 separates differences that independent standard errors cannot.
 
@@ -19,16 +20,15 @@ import math
 import time
 from pathlib import Path
 
+import lm_eval
 import modelopt.torch.quantization as mtq
 from accuracy_data import load_accuracy_data
 from bench_levers import qad_served
 from common import RESULTS_DIR, machine, pyplot, rerender, save_figure, write_result
-from tqdm import tqdm
 
 from nemo_fp4qat.demo.pipeline import DemoConfig
-from nemo_fp4qat.eval.evaluation import multiple_choice_outcomes
+from nemo_fp4qat.eval.harness import document_scores, run_lm_eval, write_local_tasks
 from nemo_fp4qat.eval.paired import paired_difference
-from nemo_fp4qat.eval.tasks import next_sentence_tasks
 
 FT = "BF16 fine-tune"
 # row -> (stage, policy, smoothing, block scale search); the recipe is the demo's default (DemoConfig)
@@ -67,13 +67,19 @@ def main() -> None:
     out = Path("runs/bench_mc")
     pl.seed_everything(cfg.seed)
     data = load_accuracy_data(cfg)
-    tasks = next_sentence_tasks(data.book, n=n_tasks, seed=0)
+    task = "fp4qat_next_sentence"
+    tasks_dir = write_local_tasks(out / "lm_eval_tasks", data.book, n_mc=n_tasks)
     rows: dict[str, dict] = {}
     outcomes: dict[str, list[tuple[bool, bool]]] = {}
 
     def score(name: str, model, ppl: float, seconds: float, **extra) -> None:
         t0 = time.time()
-        res = multiple_choice_outcomes(model, data.tok, tqdm(tasks, desc=f"MC {name}", leave=False))
+        slug = "".join(c if c.isalnum() else "_" for c in name.lower())
+        results = run_lm_eval(model, data.tok, [task], include_path=tasks_dir, batch_size=8,
+                              output=out / "lm_eval" / f"{slug}.json", log_samples=True)  # fmt: skip
+        res = list(zip((s > 0 for s in document_scores(results, task, "acc")),
+                       (s > 0 for s in document_scores(results, task, "acc_norm")), strict=True))  # fmt: skip
+        assert len(res) == n_tasks, (len(res), n_tasks)
         outcomes[name] = res
         acc, acc_norm = (sum(r[i] for r in res) / len(res) for i in (0, 1))
         rows[name] = {"ppl": ppl, "acc": acc, "acc_norm": acc_norm, "build_s": seconds, "mc_s": time.time() - t0,
@@ -100,7 +106,8 @@ def main() -> None:
     for a, b in PAIRS:
         p = paired_difference([r[0] for r in outcomes[a]], [r[0] for r in outcomes[b]])
         pairs.append({"a": a, "b": b, **p.as_dict()})
-    d = {"machine": machine(), "config": vars(cfg), "tasks": n_tasks, "rows": rows, "pairs": pairs,
+    d = {"machine": machine(), "config": vars(cfg), "tasks": n_tasks, "lm_eval": lm_eval.__version__, "rows": rows,
+         "pairs": pairs,
          "outcomes": {n: [[int(x), int(y)] for x, y in o] for n, o in outcomes.items()}}  # fmt: skip
     write_result("mc", render(d), d)
     plot(d, RESULTS_DIR / "mc.png")
@@ -115,8 +122,7 @@ def render(d: dict) -> str:
         f"Machine: {d['machine']}. SmolLM2-135M, seed {cfg['seed']}: the demo's rows rebuilt (fine-tune on Emma, "
         f"{cfg['steps']} steps; PTQ with {cfg['calib_samples']} calibration samples; QAD {cfg['steps']} steps at lr "
         f"{cfg['qad_lr']}, exported and scored as served). MC: {n} next-sentence tasks from Persuasion (4 choices, "
-        f"chance 0.25; one row's standard error at most {indep:.3f}); acc picks the choice of highest total "
-        "log-likelihood, acc_norm per token. Perplexity on Persuasion.",
+        f"chance 0.25; one row's standard error at most {indep:.3f}){_scorer(d)}",
         "",
         "| row | perplexity | MC acc | MC acc_norm |",
         "|---|---:|---:|---:|",
@@ -147,6 +153,18 @@ def render(d: dict) -> str:
         "",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _scorer(d: dict) -> str:
+    """How the rows were scored: lm-evaluation-harness (results with its version), or the plugin's own scorer
+    (results measured before the bench went through lm-eval)."""
+    if "lm_eval" not in d:
+        return "; acc picks the choice of highest total log-likelihood, acc_norm per token. Perplexity on Persuasion."
+    return (
+        f", scored by lm-evaluation-harness {d['lm_eval']} (`fp4qat_next_sentence`; its results JSON per row under "
+        "runs/bench_mc/lm_eval/): acc picks the choice of highest total log-likelihood, acc_norm per byte of the "
+        "choice (lm-eval's). Perplexity on Persuasion."
+    )
 
 
 def _usable_sentences() -> int:

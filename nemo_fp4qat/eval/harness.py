@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LOCAL_TASKS", "lm_eval_table", "run_lm_eval", "write_local_tasks"]
+__all__ = ["LOCAL_TASKS", "document_scores", "lm_eval_table", "run_lm_eval", "write_local_tasks"]
 
 LOCAL_TASKS = ("fp4qat_next_sentence", "fp4qat_heldout_perplexity")
 
@@ -96,6 +96,7 @@ def run_lm_eval(
     limit: int | float | None = None,
     batch_size: int = 1,
     output: str | Path | None = None,
+    log_samples: bool = False,
 ) -> dict[str, Any]:
     """lm-evaluation-harness's ``simple_evaluate`` on ``model`` (a Hugging Face causal LM object). Returns its
     results dict and, with ``output``, writes it there as lm-eval's results JSON (``samples`` left out).
@@ -104,6 +105,7 @@ def run_lm_eval(
         tasks: lm-eval task names; the shipped local ones need ``include_path`` (:func:`write_local_tasks`).
         include_path: a directory of task YAMLs, searched before lm-eval's own tasks.
         limit: documents per task (an int) or a fraction of each task.
+        log_samples: keep lm-eval's per-document records (``results["samples"]``; see :func:`document_scores`).
 
     Raises:
         ValueError: a task name lm-eval does not know (the message lists the names it was given).
@@ -122,7 +124,8 @@ def run_lm_eval(
         )
     model.eval()
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    results = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit, log_samples=False)
+    results = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
+                              log_samples=log_samples)  # fmt: skip
     if output is not None:
         from lm_eval.utils import handle_non_serializable
 
@@ -131,6 +134,15 @@ def run_lm_eval(
         kept = {k: v for k, v in results.items() if k != "samples"}
         path.write_text(json.dumps(kept, indent=2, default=handle_non_serializable))
     return results
+
+
+def document_scores(results: dict[str, Any], task: str, metric: str = "acc") -> list[float]:
+    """One task's per-document ``metric`` from a :func:`run_lm_eval` run with ``log_samples=True``, in document
+    order: what a paired comparison of two models on the same documents needs."""
+    samples = (results.get("samples") or {}).get(task)
+    if samples is None:
+        raise ValueError(f"no per-document records of {task!r}: run run_lm_eval(..., log_samples=True)")
+    return [float(s[metric]) for s in sorted(samples, key=lambda s: s["doc_id"])]
 
 
 def lm_eval_table(results: dict[str, Any]) -> str:

@@ -9,7 +9,7 @@ import pytest
 from nemo_fp4qat.demo.model import load_corpus, load_smollm2
 from nemo_fp4qat.eval.evaluation import choice_log_likelihoods, load_mc_tasks
 from nemo_fp4qat.eval.gate import QualityGate
-from nemo_fp4qat.eval.harness import LOCAL_TASKS, run_lm_eval, write_local_tasks
+from nemo_fp4qat.eval.harness import LOCAL_TASKS, document_scores, run_lm_eval, write_local_tasks
 
 pytestmark = pytest.mark.core_only  # lm-eval is installed in the core environment
 
@@ -26,7 +26,8 @@ def test_lm_eval_scores_the_shipped_next_sentence_task_as_the_plugins_scorer(tmp
     model, tok = smollm2
     tasks_dir = write_local_tasks(tmp_path / "tasks", load_corpus("persuasion"))
     out = tmp_path / "lm_eval" / "results.json"
-    res = run_lm_eval(model, tok, ["fp4qat_next_sentence"], include_path=tasks_dir, limit=8, batch_size=8, output=out)
+    res = run_lm_eval(model, tok, ["fp4qat_next_sentence"], include_path=tasks_dir, limit=8, batch_size=8, output=out,
+                      log_samples=True)  # fmt: skip
     got = res["results"]["fp4qat_next_sentence"]
     docs = load_mc_tasks(tasks_dir / "fp4qat_next_sentence.jsonl")[:8]
     total, per_char = [], []
@@ -36,6 +37,9 @@ def test_lm_eval_scores_the_shipped_next_sentence_task_as_the_plugins_scorer(tmp
         per_char.append(max(range(len(ll)), key=lambda i: ll[i][0] / len(d["choices"][i])) == d["answer"])
     assert got["acc,none"] == pytest.approx(sum(total) / len(docs), abs=1e-12)
     assert got["acc_norm,none"] == pytest.approx(sum(per_char) / len(docs), abs=1e-12)
+    # the per-document records a paired comparison reads, in document order
+    assert document_scores(res, "fp4qat_next_sentence", "acc") == [float(t) for t in total]
+    assert document_scores(res, "fp4qat_next_sentence", "acc_norm") == [float(t) for t in per_char]
     saved = json.loads(out.read_text())
     assert saved["results"]["fp4qat_next_sentence"]["acc,none"] == got["acc,none"] and "samples" not in saved
 
