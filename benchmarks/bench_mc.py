@@ -20,7 +20,6 @@ import math
 import time
 from pathlib import Path
 
-import lm_eval
 import modelopt.torch.quantization as mtq
 from accuracy_data import load_accuracy_data
 from bench_levers import qad_served
@@ -106,6 +105,8 @@ def main() -> None:
     for a, b in PAIRS:
         p = paired_difference([r[0] for r in outcomes[a]], [r[0] for r in outcomes[b]])
         pairs.append({"a": a, "b": b, **p.as_dict()})
+    import lm_eval  # only where rows are measured: rendering runs in environments without it
+
     d = {"machine": machine(), "config": vars(cfg), "tasks": n_tasks, "lm_eval": lm_eval.__version__, "rows": rows,
          "pairs": pairs,
          "outcomes": {n: [[int(x), int(y)] for x, y in o] for n, o in outcomes.items()}}  # fmt: skip
