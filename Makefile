@@ -83,8 +83,17 @@ $(ENGINES)/.stamp: requirements/engines.txt
 	$(ENGINES)/bin/pip uninstall $(PIP_QUIET) -y torchvision torchaudio torchcodec 2>&1 | $(QUIET_PIP)
 	touch $@
 
-test-engines: $(CORE)/.stamp $(ENGINES)/.stamp
-	NEMO_FP4QAT_ENGINES_PYTHON=$(CURDIR)/$(ENGINES)/bin/python $(CORE)/bin/python -m pytest -q -m engines tests
+SGLANG := .venv-sglang
+$(SGLANG)/.stamp: requirements/sglang.txt
+	$(ENGINES_PYTHON) -m venv $(SGLANG)
+	$(SGLANG)/bin/pip install $(PIP_QUIET) -r requirements/sglang.txt 2>&1 | $(QUIET_PIP)
+	# SGLang's other requirements are CUDA kernel packages its config parser and loader do not import
+	$(SGLANG)/bin/pip install $(PIP_QUIET) --no-deps sglang==0.5.23 2>&1 | $(QUIET_PIP)
+	touch $@
+
+test-engines: $(CORE)/.stamp $(ENGINES)/.stamp $(SGLANG)/.stamp
+	NEMO_FP4QAT_ENGINES_PYTHON=$(CURDIR)/$(ENGINES)/bin/python NEMO_FP4QAT_SGLANG_PYTHON=$(CURDIR)/$(SGLANG)/bin/python \
+		$(CORE)/bin/python -m pytest -q -m engines tests
 
 # The three environments build side by side (pip is mostly single-threaded unpacking), then the suites run one
 # after the other (each uses both cores).
@@ -148,4 +157,4 @@ gpu-check:
 	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/gpu_check.py
 
 clean:
-	rm -rf $(CORE) $(NEMO) $(BRIDGE) $(ENGINES) $(BENCH_SITE) $(GPU_WHEELS) runs .pytest_cache
+	rm -rf $(CORE) $(NEMO) $(BRIDGE) $(ENGINES) $(SGLANG) $(BENCH_SITE) $(GPU_WHEELS) runs .pytest_cache

@@ -48,7 +48,7 @@ from ..qat.controller import QATController
 from ..qat.distillation import DistillationConfig
 from ..qat.megatron_distillation import MegatronDistiller, freeze, frozen_copy
 from ..qat.pipeline_parallel import StagedForward, every_stage, this_stage
-from ..qat.whole_model import alone_on_rank_0, gather_whole_model, sharded_over_ranks
+from ..qat.whole_model import alone_on_rank_0, at_size_one, gather_whole_model, sharded_over_ranks
 from ..specs import ConfigError, from_fields
 
 __all__ = ["STATE_FILE", "TEACHER_FILE", "FP4QATBridgeCallback", "bridge_gpt_forward"]
@@ -399,11 +399,7 @@ class FP4QATBridgeCallback(_BridgeCallback):
         process groups), its vocabulary padded as the run padded it; built inside ``alone_on_rank_0``."""
         from megatron.core.process_groups_config import ProcessGroupCollection
 
-        provider = copy.copy(self._provider)
-        tp = provider.tensor_model_parallel_size or 1
-        provider.make_vocab_size_divisible_by = provider.make_vocab_size_divisible_by * tp
-        provider.tensor_model_parallel_size = provider.pipeline_model_parallel_size = 1
-        provider.sequence_parallel = False
+        provider = at_size_one(copy.copy(self._provider))
         provider._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         return provider.provide(pre_process=True, post_process=True)
 

@@ -38,7 +38,7 @@ from .atomic import atomic_directory, write_manifest
 from .engine_dtype import round_unquantized_tensors
 from .engine_fields import declare_for_engines
 from .engine_plan import EnginePlan, deployment_notes, write_engine_plan
-from .runtime_support import RUNTIMES, ExportRefused, preflight
+from .runtime_support import ENGINE_RUNTIMES, RUNTIMES, ExportRefused, preflight
 
 __all__ = ["EXPORT_KINDS", "ExportConfig", "ExportValidationError", "export_checkpoint"]
 
@@ -57,17 +57,19 @@ class ExportConfig:
 
     Args:
         kind: ``"hf"`` (unified HF checkpoint) or ``"trtllm"`` (TensorRT-LLM / qnemo checkpoint).
-        runtime: ``"trtllm"`` refuses formats TensorRT-LLM has no kernel for; ``"pytorch"`` allows
-            anything modelopt exports (this plugin's server unpacks it).
+        runtime: the engine the checkpoint is for (:data:`RUNTIMES`): ``"trtllm"``, ``"vllm"`` or ``"sglang"``
+            refuse, before anything is written, layers the engine has no kernel for (vLLM and SGLang load
+            unified HF checkpoints only); ``"pytorch"`` allows anything modelopt exports (this plugin's server
+            unpacks it).
         tensor_parallel: inference tensor-parallel size (``"trtllm"`` kind only).
         dtype: dtype of the unquantized tensors (embeddings, norms, lm_head); None keeps the model's.
-            ``"trtllm"`` checkpoints hold 16-bit tensors only (what TensorRT-LLM's kernels take; modelopt writes
-            nothing else): a bfloat16 or float16 model's are written in its own dtype, exactly; a float32 model's
-            in float16, whose 10 mantissa bits round them less than bfloat16's 7. The unified HF checkpoint keeps
-            a float32 model's float32 unless asked (``"bfloat16"`` / ``"float16"``: what TensorRT-LLM, vLLM and
-            SGLang run); it is then packed from the float32 weights and only its unquantized tensors are rounded,
-            so the FP4 / FP8 codes stay the trained ones. For a 16-bit model modelopt casts before packing, so a
-            dtype other than the training dtype changes rounding (validation then reports the codes that moved).
+            The engines run 16-bit activations, so a checkpoint for one of them holds 16-bit tensors: a bfloat16
+            or float16 model's in its own dtype, exactly; a float32 model's in float16, whose 10 mantissa bits
+            round them less than bfloat16's 7 (``"float32"`` is refused there). A float32 model's unified HF
+            checkpoint is packed from the float32 weights and only its unquantized tensors are rounded, so the
+            FP4 / FP8 codes stay the trained ones, and it is validated as written. ``runtime="pytorch"`` keeps a
+            float32 model's float32. For a 16-bit model modelopt casts before packing, so a dtype other than
+            the training dtype changes rounding (validation then reports the codes that moved).
         decoder_type: modelopt decoder type for ``"trtllm"`` (``"llama"``, ``"gpt"`` ...); inferred if None.
         overwrite: replace an existing directory (only once the new export is complete).
         validate: re-read and check the written checkpoint against the model before publishing it.
@@ -101,7 +103,20 @@ class ExportConfig:
             raise ValueError(
                 "dtype='float32' for a TensorRT-LLM checkpoint: TensorRT-LLM checkpoints hold float16 or bfloat16 "
                 "tensors (modelopt would silently write float16); use dtype='float16' or 'bfloat16' (None keeps a "
-                "16-bit model's dtype and writes a float32 model's in float16), or kind='hf', which keeps float32."
+                "16-bit model's dtype and writes a float32 model's in float16), or kind='hf' with runtime='pytorch', "
+                "which keeps float32."
+            )
+        if self.dtype == "float32" and self.runtime in ENGINE_RUNTIMES:
+            raise ValueError(
+                f"dtype='float32' for runtime={self.runtime!r}: TensorRT-LLM, vLLM and SGLang run 16-bit activations "
+                "(vLLM would downcast a float32 checkpoint to bfloat16 unvalidated); use dtype='float16' or "
+                "'bfloat16' (None writes a float32 model's unquantized tensors in float16), or runtime='pytorch' for "
+                "this plugin's server, which runs float32."
+            )
+        if self.kind == "trtllm" and self.runtime in ("vllm", "sglang"):
+            raise ValueError(
+                f"kind='trtllm' for runtime={self.runtime!r}: vLLM and SGLang load unified HF checkpoints; use "
+                "kind='hf'."
             )
         if self.tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
@@ -121,7 +136,7 @@ def _dtype(model: nn.Module, cfg: ExportConfig) -> torch.dtype:
     if cfg.dtype is not None:
         return _DTYPES[cfg.dtype]
     trained = _trained_dtype(model)
-    if cfg.kind == "trtllm" and trained not in (torch.float16, torch.bfloat16):
+    if (cfg.kind == "trtllm" or cfg.runtime in ENGINE_RUNTIMES) and trained not in (torch.float16, torch.bfloat16):
         return torch.float16  # the 16-bit dtype closest to float32 in range of these tensors (see ExportConfig)
     return trained
 
@@ -164,12 +179,6 @@ def _hf_dtypes(model: nn.Module, cfg: ExportConfig) -> tuple[torch.dtype, torch.
     declared = _dtype(model, cfg)
     if _trained_dtype(model) == torch.float32 and declared != torch.float32:
         return torch.float32, declared
-    if declared == torch.float32 and cfg.runtime == "trtllm":
-        log.warning(
-            "The unified HF checkpoint declares float32 (the model's dtype): TensorRT-LLM, vLLM and SGLang run 16-bit "
-            "activations (vLLM downcasts it to bfloat16). Export with dtype='bfloat16' or 'float16' to write and "
-            "validate what they run (the FP4 codes stay those trained; embeddings and norms are rounded once)."
-        )
     return declared, declared
 
 

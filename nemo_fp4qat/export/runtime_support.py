@@ -3,7 +3,8 @@
 The accepted ``quant_algo`` values are TensorRT-LLM's ``QuantAlgo`` enum
 (``tensorrt_llm/quantization/mode.py``, TRT-LLM 1.2) and ``KV_CACHE_QUANT_ALGO_LIST``; TensorRT-LLM
 cannot be installed on CPU machines, so the lists are written down here (and checked by
-``nemo-fp4qat validate``) instead of imported.
+``nemo-fp4qat validate``) instead of imported. vLLM's and SGLang's are the per-layer algorithms their
+modelopt loaders give a linear kernel; ``make test-engines`` checks both lists against the engines' own code.
 """
 
 from __future__ import annotations
@@ -14,13 +15,17 @@ import torch.nn as nn
 
 from ..numerics.formats import QuantFormat, format_of_quantizer
 from ..qat.modelopt_compat import uses_list_config
-from ..qat.policy import is_quantizer
+from ..qat.policy import ENGINE_RUNTIMES, RUNTIMES, is_quantizer
 from ..qat.w4a8_scaling import calibrated_w4a8_layers, w4a8_export_amax
 
 __all__ = [
+    "ENGINE_QUANT_ALGOS",
+    "ENGINE_RUNTIMES",
     "RUNTIMES",
+    "SGLANG_QUANT_ALGOS",
     "TRTLLM_KV_CACHE_QUANT_ALGOS",
     "TRTLLM_QUANT_ALGOS",
+    "VLLM_QUANT_ALGOS",
     "ExportRefused",
     "LayerFormat",
     "preflight",
@@ -38,10 +43,13 @@ TRTLLM_QUANT_ALGOS = frozenset(
     }
 )  # fmt: skip
 TRTLLM_KV_CACHE_QUANT_ALGOS = frozenset({"FP8", "INT8", "NVFP4"})
-
-# "trtllm": TensorRT-LLM (engine build or LLM API) must accept every layer.
-# "pytorch": this plugin's own CPU/PyTorch server, which unpacks whatever modelopt can export.
-RUNTIMES = ("trtllm", "pytorch")
+# vLLM 0.32's LINEAR_ALGOS (model_executor/layers/quantization/modelopt.py)
+VLLM_QUANT_ALGOS = frozenset({"FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "NVFP4", "W4A16_NVFP4", "MXFP8"})
+# SGLang 0.5.23's ModelOptMixedPrecisionConfig.get_quant_method (srt/layers/quantization/modelopt_quant.py); a layer
+# with any other algorithm gets its unquantized linear method, which then fails on the packed weight's shape
+SGLANG_QUANT_ALGOS = frozenset({"FP8", "FP8_PB_WO", "FP8_BLOCK_SCALES", "MXFP8", "NVFP4", "W4A16_NVFP4"})
+ENGINE_QUANT_ALGOS = {"trtllm": TRTLLM_QUANT_ALGOS, "vllm": VLLM_QUANT_ALGOS, "sglang": SGLANG_QUANT_ALGOS}
+_ENGINE_NAMES = {"trtllm": "TensorRT-LLM", "vllm": "vLLM", "sglang": "SGLang"}
 
 
 class ExportRefused(ValueError):
@@ -123,13 +131,44 @@ def _mixed_fused_siblings(model: nn.Module, layers: list[LayerFormat]) -> list[s
     return problems
 
 
+def _unified_hf_algo_problems(model: nn.Module, runtime: str) -> list[str]:
+    """The ``quant_algo`` each layer of the unified HF checkpoint will declare (modelopt's ``get_quant_config``, what
+    its exporter writes) that the engine's loader has no linear kernel for."""
+    import inspect
+
+    from modelopt.torch.export.quant_utils import get_quant_config
+
+    # modelopt 0.37 takes the model's named modules, later releases the model
+    takes_modules = next(iter(inspect.signature(get_quant_config).parameters)) == "named_modules"
+    q = get_quant_config(model.named_modules() if takes_modules else model)["quantization"]
+    mixed = q.get("quant_algo") == "MIXED_PRECISION"
+    per_layer = {k: v.get("quant_algo") for k, v in (q.get("quantized_layers") or {}).items()} if mixed else {}
+    algos = {a: [m for m, b in per_layer.items() if b == a] for a in set(per_layer.values())} if mixed else {
+        q.get("quant_algo"): ["every quantized layer"]}  # fmt: skip
+    engine, accepted = _ENGINE_NAMES[runtime], ENGINE_QUANT_ALGOS[runtime]
+    problems = [
+        f"{', '.join(mods[:3])}{f' (and {len(mods) - 3} more)' if len(mods) > 3 else ''}: quant_algo {a}, which "
+        f"{engine}'s modelopt loader has no kernel for (it runs {', '.join(sorted(accepted))}). Change these "
+        "layers' rule in the policy, or export for runtime='trtllm' or 'pytorch'."
+        for a, mods in sorted(algos.items(), key=lambda kv: str(kv[0])) if a not in accepted
+    ]  # fmt: skip
+    if runtime == "sglang" and mixed and not {"NVFP4", "W4A16_NVFP4"} & set(per_layer.values()):
+        # SGLang's ModelConfig._parse_modelopt_quant_config
+        problems.append(
+            "a MIXED_PRECISION checkpoint without NVFP4 layers: SGLang 0.5.23 loads those with its W4AFP8 method, "
+            "not its modelopt one. Give every quantized layer one format, or export for runtime='vllm'."
+        )
+    return problems
+
+
 def preflight(model: nn.Module, runtime: str = "trtllm", tensor_parallel: int = 1) -> list[LayerFormat]:
     """Refuse (``ExportRefused``) what modelopt cannot export or ``runtime`` would reject.
 
     Checks, per quantized linear: the format has an exporter (MXFP6 has none); the runtime has a
     kernel for it (TensorRT-LLM has none for dense MXFP4 / MXFP8); block sizes divide
     ``in_features`` (INT4 AWQ: 128; NVFP4: 16) including after tensor-parallel splitting; weight
-    quantizers are calibrated; fused siblings (q/k/v, gate/up) share one format.
+    quantizers are calibrated; fused siblings (q/k/v, gate/up) share one format; for vLLM and
+    SGLang, every layer's unified HF ``quant_algo`` is one the engine's loader has a kernel for.
     Returns the layer formats when everything passes.
     """
     if runtime not in RUNTIMES:
@@ -204,6 +243,8 @@ def preflight(model: nn.Module, runtime: str = "trtllm", tensor_parallel: int = 
             problems.append(f"{lf.module}: weight quantizer has no amax; calibrate before exporting.")
     problems += _w4a8_exporter_problems(model)
     problems += _mixed_fused_siblings(model, layers)
+    if runtime in ("vllm", "sglang") and not problems:
+        problems += _unified_hf_algo_problems(model, runtime)
     if problems:
         raise ExportRefused("Export refused, nothing was written:\n  - " + "\n  - ".join(problems))
     return layers

@@ -30,7 +30,13 @@ from .atomic import file_sha256, read_manifest
 from .engine_fields import engine_field_problems, is_fused_alias
 from .layout import FLOAT_DTYPES, SCALE_NAMES, check_layout, layer_layout
 from .reader import group_by_module, load_export, merge_ranks
-from .runtime_support import RUNTIMES, TRTLLM_KV_CACHE_QUANT_ALGOS, TRTLLM_QUANT_ALGOS
+from .runtime_support import (
+    ENGINE_QUANT_ALGOS,
+    ENGINE_RUNTIMES,
+    RUNTIMES,
+    TRTLLM_KV_CACHE_QUANT_ALGOS,
+    TRTLLM_QUANT_ALGOS,
+)
 from .unquantized_check import compare_unquantized
 from .validation_report import Problem, ValidationReport
 from .weight_check import compare_weights, model_reference, resmoothed
@@ -77,6 +83,17 @@ def validate_export(
         )
         rep.error("quant_algo", f"{algo!r} is not a TensorRT-LLM QuantAlgo{fix}; re-export with a format TRT-LLM "
                   "deploys, or validate with runtime='pytorch' for this plugin's own server.")  # fmt: skip
+    elif runtime in ("vllm", "sglang") and algo not in ENGINE_QUANT_ALGOS[runtime] | {"MIXED_PRECISION"}:
+        rep.error("quant_algo", f"{algo!r} has no kernel in {runtime}'s modelopt loader; re-export for this runtime "
+                  "(its preflight names the layers), or validate with runtime='trtllm' / 'pytorch'.")  # fmt: skip
+    hf_config = qcfg.get("_config") or {}
+    config_dtype = hf_config.get("torch_dtype") or hf_config.get("dtype")
+    if runtime in ENGINE_RUNTIMES and kind == "hf" and config_dtype == "float32":
+        rep.warnings.append(Problem("config.json", f"declares float32; {runtime} runs 16-bit activations (vLLM "
+                                    "downcasts to bfloat16), so what it runs is not what was validated. Re-export "
+                                    f"for runtime={runtime!r}, which writes float16."))  # fmt: skip
+    if runtime in ("vllm", "sglang") and kind == "trtllm":
+        rep.error(str(path), f"a TensorRT-LLM checkpoint; {runtime} loads unified HF checkpoints (export kind='hf').")
     if kv is not None and kv not in TRTLLM_KV_CACHE_QUANT_ALGOS:
         rep.error("kv_cache_quant_algo", f"{kv!r} is not one of {sorted(TRTLLM_KV_CACHE_QUANT_ALGOS)}.")
 
@@ -114,6 +131,9 @@ def validate_export(
             continue
         if runtime == "trtllm" and a not in TRTLLM_QUANT_ALGOS:
             rep.error(mod, f"layer quant_algo {a!r} is not a TensorRT-LLM QuantAlgo.")
+        elif runtime in ("vllm", "sglang") and a not in ENGINE_QUANT_ALGOS[runtime]:
+            rep.error(mod, f"layer quant_algo {a!r} has no kernel in {runtime}'s modelopt loader (it runs "
+                      f"{', '.join(sorted(ENGINE_QUANT_ALGOS[runtime]))}).")  # fmt: skip
         if not layer_layout(a, t, group):
             rep.error(mod, f"no layout known for quant_algo {a!r}.")
             continue
@@ -138,7 +158,11 @@ def validate_export(
                 rep.warnings.append(Problem(f"{mod}.weight", msg))
                 skipped[mod] = "re-smoothed and requantized by the exporter"
             else:
-                compare_weights(rep, mod, a, t, ref)
+
+                def unquantized(mod: str = mod) -> torch.Tensor | None:
+                    return model_reference(model_modules, mod, kind, config, names, quantized=False)
+
+                compare_weights(rep, mod, a, t, ref, unquantized)
 
     if model is not None:
         quantized = {m for m, a in rep.layers.items() if a is not None}

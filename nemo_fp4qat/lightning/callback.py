@@ -153,7 +153,8 @@ class FP4QATCallback(pl.Callback):
             raise ValueError(
                 f"export runtime 'trtllm' with policy {self.controller.policy.name!r}, which TensorRT-LLM cannot run "
                 f"(its runtime is {self.controller.policy.runtime!r}): use a TensorRT-LLM policy (e.g. 'default') or "
-                "export={'runtime': 'pytorch', ...} for this plugin's own server."
+                f"export={{'runtime': {self.controller.policy.runtime!r}, ...}} (or 'pytorch' for this plugin's own "
+                "server)."
             )
         return cfg
 

@@ -24,7 +24,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from ..lightning.callback import CHECKPOINT_KEY, FP4QATCallback
 from ..qat.distillation import DistillationConfig
 from ..qat.pipeline_parallel import every_stage, pipeline_forward, pipeline_world_size, this_stage
-from ..qat.whole_model import alone_on_rank_0, gather_whole_model, sharded_over_ranks
+from ..qat.whole_model import alone_on_rank_0, at_size_one, gather_whole_model, sharded_over_ranks
 
 __all__ = ["NeMoFP4QATCallback", "megatron_module", "nemo_gpt_forward"]
 
@@ -217,11 +217,7 @@ class NeMoFP4QATCallback(FP4QATCallback):
         import torch.distributed as dist
 
         def build_whole() -> nn.Module:  # the run's NeMo config at size 1, the vocabulary padded as the run's
-            config = copy.deepcopy(pl_module.config)
-            tp = config.tensor_model_parallel_size or 1
-            config.make_vocab_size_divisible_by = config.make_vocab_size_divisible_by * tp
-            config.tensor_model_parallel_size = config.pipeline_model_parallel_size = 1
-            config.sequence_parallel = False
+            config = at_size_one(copy.deepcopy(pl_module.config))
             return config.configure_model(pl_module.tokenizer, pre_process=True, post_process=True)
 
         whole = gather_whole_model(build_whole, self.target_module(pl_module), self.controller)

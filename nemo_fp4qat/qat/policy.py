@@ -25,7 +25,9 @@ from ..specs import ConfigError, did_you_mean, from_fields
 KV_CACHE_FORMATS = frozenset({"fp8"})
 
 __all__ = [
+    "ENGINE_RUNTIMES",
     "POLICY_PRESETS",
+    "RUNTIMES",
     "TRTLLM_PRESETS",
     "LayerPolicy",
     "PolicyRow",
@@ -126,9 +128,15 @@ def _attention_mlp(
 # FP8 attention + NVFP4 MLP: what TensorRT-LLM deploys as MIXED_PRECISION (per-layer FP8 / NVFP4).
 _FP8_ATTENTION_NVFP4_MLP = _attention_mlp("fp8")
 
+# Where an export deploys. "trtllm": TensorRT-LLM (engine build or LLM API) has a kernel for every layer; "vllm",
+# "sglang": the engine's modelopt loader has one for every layer of the unified HF checkpoint; "pytorch": this
+# plugin's own server, which unpacks whatever modelopt exports. Every engine runs 16-bit activations.
+RUNTIMES = ("trtllm", "vllm", "sglang", "pytorch")
+ENGINE_RUNTIMES = RUNTIMES[:3]
+
 # ``runtime``: where the preset's export deploys. "trtllm": TensorRT-LLM has a kernel for every layer
-# (tested on the embedded SmolLM2: HF and TRT-LLM checkpoints, TP 1 and 2, validated); "pytorch":
-# only this plugin's own server (``nemo-fp4qat serve``) runs it.
+# (tested on the embedded SmolLM2: HF and TRT-LLM checkpoints, TP 1 and 2, validated); "vllm": vLLM's
+# loader has one for every layer of the unified HF checkpoint (SGLang's too, for these presets).
 POLICY_PRESETS: dict[str, dict[str, Any]] = {
     # The deployable default: conservative attention (FP8: 8-bit elements and activations, the
     # highest precision TensorRT-LLM serves beside NVFP4 in one MIXED_PRECISION checkpoint), MLP in
@@ -145,9 +153,9 @@ POLICY_PRESETS: dict[str, dict[str, Any]] = {
         "runtime": "trtllm",
     },
     # Attention projections at 8 bits with per-32 block scales (MXFP8: finer scaling than FP8's one
-    # scale per tensor); everything else NVFP4. TensorRT-LLM has no dense MXFP8 kernel: this preset
-    # deploys on this plugin's own server only (export with runtime="pytorch").
-    "conservative_attention": _attention_mlp("mxfp8", runtime="pytorch"),
+    # scale per tensor); everything else NVFP4. TensorRT-LLM has no dense MXFP8 kernel; vLLM and SGLang
+    # load both formats from a unified HF checkpoint (and this plugin's server runs it).
+    "conservative_attention": _attention_mlp("mxfp8", runtime="vllm"),
     # FP4 weights, 8-bit activations: NVFP4 MLP weights with FP8 inputs (TensorRT-LLM W4A8_NVFP4_FP8),
     # FP8 attention. Same weight memory as "default"; on the demo model the MLP's NVFP4 *activations*
     # are about half of the FP4 perplexity loss (benchmarks/RESULTS.md), which this keeps out.
@@ -211,8 +219,10 @@ class LayerPolicy:
         name: a label for logs and reports.
         kv_cache: ``"fp8"`` quantizes the attention K/V (calibrated scales, exported as the
             checkpoint's ``kv_cache_quant_algo``); ``None`` keeps the KV cache in full precision.
-        runtime: where exports of this policy deploy: ``"trtllm"`` (TensorRT-LLM has a kernel for
-            every layer) or ``"pytorch"`` (this plugin's server only); the export's default runtime.
+        runtime: where exports of this policy deploy, the export's default runtime (:data:`RUNTIMES`):
+            ``"trtllm"`` (TensorRT-LLM has a kernel for every layer), ``"vllm"`` / ``"sglang"`` (the
+            engine's loader has one for every layer of the unified HF checkpoint) or ``"pytorch"`` (this
+            plugin's server only).
     """
 
     rules: list[PolicyRule] = field(default_factory=list)
@@ -241,10 +251,11 @@ class LayerPolicy:
                 "(TensorRT-LLM deploys an FP8 KV cache from calibrated k/v scales)."
             )
         self.kv_cache = None if self.kv_cache is None else str(self.kv_cache).lower()
-        if self.runtime not in ("trtllm", "pytorch"):
+        if self.runtime not in RUNTIMES:
             raise ValueError(
-                f"runtime={self.runtime!r} is not known; use 'trtllm' (TensorRT-LLM deploys every layer) or "
-                "'pytorch' (this plugin's own server, e.g. for MXFP8 attention)."
+                f"runtime={self.runtime!r} is not known; use 'trtllm' (TensorRT-LLM deploys every layer), 'vllm' or "
+                "'sglang' (the engine's loader has a kernel for every layer of the unified HF checkpoint), or "
+                "'pytorch' (this plugin's own server)."
             )
 
     # --- construction -------------------------------------------------------------------------

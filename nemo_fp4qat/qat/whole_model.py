@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from .stage_names import stage_layer_offset, to_global_name
 
-__all__ = ["alone_on_rank_0", "gather_whole_model", "merge_tensor_parallel_shards", "sharded_over_ranks"]
+__all__ = ["alone_on_rank_0", "at_size_one", "gather_whole_model", "merge_tensor_parallel_shards", "sharded_over_ranks"]
 
 _QUANTIZER_SUFFIXES = ("weight_quantizer", "input_quantizer", "output_quantizer")
 _ALONE: Any = None  # a process group of global rank 0 alone (gloo), created collectively by gather_whole_model
@@ -38,6 +38,17 @@ def sharded_over_ranks() -> bool:
     if not ps.model_parallel_is_initialized():
         return False
     return ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size() > 1
+
+
+def at_size_one(config: Any) -> Any:
+    """``config`` (a megatron-core model config: Bridge's provider, NeMo's GPTConfig; edited in place, pass a copy)
+    for the whole model on one rank: tensor and pipeline size 1, no sequence parallelism, and the vocabulary padded
+    as the run padded it (its divisor times the run's tensor-parallel size)."""
+    tp = config.tensor_model_parallel_size or 1
+    config.make_vocab_size_divisible_by = config.make_vocab_size_divisible_by * tp
+    config.tensor_model_parallel_size = config.pipeline_model_parallel_size = 1
+    config.sequence_parallel = False
+    return config
 
 
 def _global_controller_state(state: dict[str, Any], offset: int) -> dict[str, Any]:

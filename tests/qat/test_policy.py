@@ -46,7 +46,7 @@ def test_presets_differ_where_documented():
     deploy = LayerPolicy.preset("trtllm_mixed").resolve(m)
     assert _fmt(deploy, "model.layers.0.self_attn.q_proj")[0] == "fp8"
     server = LayerPolicy.preset("conservative_attention")
-    assert _fmt(server.resolve(m), "model.layers.0.self_attn.q_proj")[0] == "mxfp8" and server.runtime == "pytorch"
+    assert _fmt(server.resolve(m), "model.layers.0.self_attn.q_proj")[0] == "mxfp8" and server.runtime == "vllm"
     every = LayerPolicy.preset("fp_embeddings").resolve(m)
     assert _fmt(every, "model.layers.0.self_attn.q_proj")[0] == "nvfp4"
     assert LayerPolicy.preset("default").target_format.name == "nvfp4"

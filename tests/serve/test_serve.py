@@ -30,8 +30,8 @@ KEY = "s3cret-token"
 def export_dir(tmp_path_factory):
 
     model = calibrated_tiny_llama("trtllm_mixed", seed=5)
-    return export_checkpoint(model, tmp_path_factory.mktemp("srv") / "export", ExportConfig(kind="hf"),
-                             tokenizer=char_tokenizer())  # fmt: skip
+    served = ExportConfig(kind="hf", runtime="pytorch")  # this plugin's server: float32, as trained
+    return export_checkpoint(model, tmp_path_factory.mktemp("srv") / "export", served, tokenizer=char_tokenizer())
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,9 @@ def test_w4a8_export_is_served_with_the_trained_numerics(tmp_path):
     # the trained fake-quantized model (float32 throughout)
 
     model = calibrated_tiny_llama("nvfp4_w4a8", seed=5)
-    out = export_checkpoint(model, tmp_path / "w4a8", ExportConfig(kind="hf"), tokenizer=char_tokenizer())
+    out = export_checkpoint(
+        model, tmp_path / "w4a8", ExportConfig(kind="hf", runtime="pytorch"), tokenizer=char_tokenizer()
+    )
     backend = PyTorchBackend(out)
     assert backend.algos["model.layers.0.mlp.down_proj"] == "W4A8_NVFP4_FP8"
     x = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))

@@ -38,8 +38,8 @@ def export_dir(tmp_path_factory):
     from tiny_models import calibrated_tiny_llama
 
     model = calibrated_tiny_llama("nvfp4", seed=7)
-    return export_checkpoint(model, tmp_path_factory.mktemp("faults") / "export", ExportConfig(kind="hf"),
-                             tokenizer=char_tokenizer())  # fmt: skip
+    served = ExportConfig(kind="hf", runtime="pytorch")  # this plugin's server: float32, as trained
+    return export_checkpoint(model, tmp_path_factory.mktemp("faults") / "export", served, tokenizer=char_tokenizer())
 
 
 def _failing_backend(export_dir, delay: float = 0.0):

@@ -36,7 +36,9 @@ def trained_and_export(tmp_path_factory):
     ctl = QATController(policy="default", schedule="direct", calibration=2, forward_fn=lambda m, b: m(b))
     ctl.prepare(model)
     ctl.calibrate(model, [torch.tensor(ids[i * 128 : (i + 1) * 128])[None] for i in range(2)])
-    out = export_checkpoint(model, tmp_path_factory.mktemp("srv") / "export", ExportConfig(kind="hf"), tokenizer=tok)
+    out = export_checkpoint(
+        model, tmp_path_factory.mktemp("srv") / "export", ExportConfig(kind="hf", runtime="pytorch"), tokenizer=tok
+    )
     return model, tok, out
 
 
