@@ -38,7 +38,7 @@ from .atomic import atomic_directory, write_manifest
 from .engine_dtype import round_unquantized_tensors
 from .engine_fields import declare_for_engines
 from .engine_plan import EnginePlan, deployment_notes, write_engine_plan
-from .runtime_support import ENGINE_RUNTIMES, RUNTIMES, ExportRefused, preflight
+from .runtime_support import ENGINE_RUNTIMES, HF_ONLY_RUNTIMES, RUNTIMES, ExportRefused, preflight
 
 __all__ = ["EXPORT_KINDS", "ExportConfig", "ExportValidationError", "export_checkpoint"]
 
@@ -113,7 +113,7 @@ class ExportConfig:
                 "'bfloat16' (None writes a float32 model's unquantized tensors in float16), or runtime='pytorch' for "
                 "this plugin's server, which runs float32."
             )
-        if self.kind == "trtllm" and self.runtime in ("vllm", "sglang"):
+        if self.kind == "trtllm" and self.runtime in HF_ONLY_RUNTIMES:
             raise ValueError(
                 f"kind='trtllm' for runtime={self.runtime!r}: vLLM and SGLang load unified HF checkpoints; use "
                 "kind='hf'."

@@ -21,6 +21,7 @@ from ..qat.w4a8_scaling import calibrated_w4a8_layers, w4a8_export_amax
 __all__ = [
     "ENGINE_QUANT_ALGOS",
     "ENGINE_RUNTIMES",
+    "HF_ONLY_RUNTIMES",
     "RUNTIMES",
     "SGLANG_QUANT_ALGOS",
     "TRTLLM_KV_CACHE_QUANT_ALGOS",
@@ -48,6 +49,7 @@ VLLM_QUANT_ALGOS = frozenset({"FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "
 # SGLang 0.5.23's ModelOptMixedPrecisionConfig.get_quant_method (srt/layers/quantization/modelopt_quant.py); a layer
 # with any other algorithm gets its unquantized linear method, which then fails on the packed weight's shape
 SGLANG_QUANT_ALGOS = frozenset({"FP8", "FP8_PB_WO", "FP8_BLOCK_SCALES", "MXFP8", "NVFP4", "W4A16_NVFP4"})
+HF_ONLY_RUNTIMES = ("vllm", "sglang")  # they load unified HF checkpoints only
 ENGINE_QUANT_ALGOS = {"trtllm": TRTLLM_QUANT_ALGOS, "vllm": VLLM_QUANT_ALGOS, "sglang": SGLANG_QUANT_ALGOS}
 _ENGINE_NAMES = {"trtllm": "TensorRT-LLM", "vllm": "vLLM", "sglang": "SGLang"}
 
@@ -243,7 +245,7 @@ def preflight(model: nn.Module, runtime: str = "trtllm", tensor_parallel: int = 
             problems.append(f"{lf.module}: weight quantizer has no amax; calibrate before exporting.")
     problems += _w4a8_exporter_problems(model)
     problems += _mixed_fused_siblings(model, layers)
-    if runtime in ("vllm", "sglang") and not problems:
+    if runtime in HF_ONLY_RUNTIMES and not problems:
         problems += _unified_hf_algo_problems(model, runtime)
     if problems:
         raise ExportRefused("Export refused, nothing was written:\n  - " + "\n  - ".join(problems))

@@ -17,7 +17,7 @@ import torch.nn as nn
 from .layout import FLOAT_DTYPES, SCALE_NAMES
 from .validation_report import ValidationReport
 
-__all__ = ["compare_unquantized"]
+__all__ = ["compare_unquantized", "declared_dtype"]
 
 # TensorRT-LLM names -> candidate model tensors (megatron-core local spec, Transformer Engine spec, Hugging Face)
 _TRTLLM_SOURCES: list[tuple[str, list[str]]] = [
@@ -78,6 +78,12 @@ def _source(name: str, kind: str, state: dict[str, torch.Tensor]) -> torch.Tenso
     return None
 
 
+def declared_dtype(config: dict[str, Any], kind: str) -> str | None:
+    """The dtype a checkpoint's ``config.json`` declares: TensorRT-LLM's ``dtype``; a unified HF checkpoint's
+    ``torch_dtype`` (transformers < 5) or ``dtype``."""
+    return config.get("dtype") if kind == "trtllm" else config.get("torch_dtype") or config.get("dtype")
+
+
 def compare_unquantized(
     rep: ValidationReport,
     tensors: dict[str, torch.Tensor],
@@ -99,8 +105,7 @@ def compare_unquantized(
     state = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     # the exporter folds the smoothing scales it re-derives (AWQ, SmoothQuant siblings) into the norms before them
     refolded = bool(rep.numeric.get("resmoothed_layers"))
-    # TensorRT-LLM: config.json's dtype; unified HF: torch_dtype (transformers < 5) or dtype
-    declared = config.get("dtype") if kind == "trtllm" else config.get("torch_dtype") or config.get("dtype")
+    declared = declared_dtype(config, kind)
     num = rep.numeric
     for name, t in sorted(tensors.items()):
         mod, _, attr = name.rpartition(".")

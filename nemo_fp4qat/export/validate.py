@@ -33,11 +33,12 @@ from .reader import group_by_module, load_export, merge_ranks
 from .runtime_support import (
     ENGINE_QUANT_ALGOS,
     ENGINE_RUNTIMES,
+    HF_ONLY_RUNTIMES,
     RUNTIMES,
     TRTLLM_KV_CACHE_QUANT_ALGOS,
     TRTLLM_QUANT_ALGOS,
 )
-from .unquantized_check import compare_unquantized
+from .unquantized_check import compare_unquantized, declared_dtype
 from .validation_report import Problem, ValidationReport
 from .weight_check import compare_weights, model_reference, resmoothed
 
@@ -83,21 +84,19 @@ def validate_export(
         )
         rep.error("quant_algo", f"{algo!r} is not a TensorRT-LLM QuantAlgo{fix}; re-export with a format TRT-LLM "
                   "deploys, or validate with runtime='pytorch' for this plugin's own server.")  # fmt: skip
-    elif runtime in ("vllm", "sglang") and algo not in ENGINE_QUANT_ALGOS[runtime] | {"MIXED_PRECISION"}:
+    elif runtime in HF_ONLY_RUNTIMES and algo not in ENGINE_QUANT_ALGOS[runtime] | {"MIXED_PRECISION"}:
         rep.error("quant_algo", f"{algo!r} has no kernel in {runtime}'s modelopt loader; re-export for this runtime "
                   "(its preflight names the layers), or validate with runtime='trtllm' / 'pytorch'.")  # fmt: skip
-    hf_config = qcfg.get("_config") or {}
-    config_dtype = hf_config.get("torch_dtype") or hf_config.get("dtype")
-    if runtime in ENGINE_RUNTIMES and kind == "hf" and config_dtype == "float32":
+    config = qcfg.get("_config", {})
+    if runtime in ENGINE_RUNTIMES and kind == "hf" and declared_dtype(config, kind) == "float32":
         rep.warnings.append(Problem("config.json", f"declares float32; {runtime} runs 16-bit activations (vLLM "
                                     "downcasts to bfloat16), so what it runs is not what was validated. Re-export "
                                     f"for runtime={runtime!r}, which writes float16."))  # fmt: skip
-    if runtime in ("vllm", "sglang") and kind == "trtllm":
+    if runtime in HF_ONLY_RUNTIMES and kind == "trtllm":
         rep.error(str(path), f"a TensorRT-LLM checkpoint; {runtime} loads unified HF checkpoints (export kind='hf').")
     if kv is not None and kv not in TRTLLM_KV_CACHE_QUANT_ALGOS:
         rep.error("kv_cache_quant_algo", f"{kv!r} is not one of {sorted(TRTLLM_KV_CACHE_QUANT_ALGOS)}.")
 
-    config = qcfg.get("_config", {})
     tensors = merge_ranks(ranks, config, rep) if kind == "trtllm" else ranks[0]
     mods = group_by_module(tensors)
     mixed = qcfg.get("quantized_layers") or {}
@@ -131,7 +130,7 @@ def validate_export(
             continue
         if runtime == "trtllm" and a not in TRTLLM_QUANT_ALGOS:
             rep.error(mod, f"layer quant_algo {a!r} is not a TensorRT-LLM QuantAlgo.")
-        elif runtime in ("vllm", "sglang") and a not in ENGINE_QUANT_ALGOS[runtime]:
+        elif runtime in HF_ONLY_RUNTIMES and a not in ENGINE_QUANT_ALGOS[runtime]:
             rep.error(mod, f"layer quant_algo {a!r} has no kernel in {runtime}'s modelopt loader (it runs "
                       f"{', '.join(sorted(ENGINE_QUANT_ALGOS[runtime]))}).")  # fmt: skip
         if not layer_layout(a, t, group):

@@ -121,6 +121,7 @@ def test_vllm_and_sglang_load_the_demo_policys_smollm2_export_in_its_trained_for
     from nemo_fp4qat.demo.model import load_corpus, load_smollm2
     from nemo_fp4qat.demo.pipeline import DemoConfig
     from nemo_fp4qat.export.runtime_support import quantized_layers
+    from nemo_fp4qat.qat.fused_siblings import ENGINE_FUSED_NAMES
 
     model, tok = load_smollm2()
     ids = tok(load_corpus("emma")[:20_000])["input_ids"]
@@ -129,8 +130,7 @@ def test_vllm_and_sglang_load_the_demo_policys_smollm2_export_in_its_trained_for
     ctl.prepare(model)
     ctl.calibrate(model, [torch.tensor(ids[i * 128 : (i + 1) * 128])[None] for i in range(2)])
     out = export_checkpoint(model, tmp_path / "hf", ExportConfig(kind="hf", runtime="vllm"), tokenizer=tok)
-    fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
-             "up_proj": "gate_up_proj"}  # fmt: skip
+    fused = {leaf: name for shards, name in ENGINE_FUSED_NAMES.items() for leaf in shards}
     want: dict[str, set[str]] = {}
     for lf in quantized_layers(model):
         head, _, leaf = lf.module.rpartition(".")
