@@ -2,7 +2,8 @@
 
 megatron-core assumes CUDA in a handful of places (``torch.cuda.current_device()`` for buffers and rotary
 embeddings, ``torch.cuda.Stream`` for DDP, ``torch.cuda.synchronize``, ``.cuda()`` / ``device="cuda"``
-tensors, the CUDA RNG tracker, a gradient clip that asserts ``torch.cuda.FloatTensor``). The front ends'
+tensors, the CUDA RNG tracker, a gradient clip that asserts ``torch.cuda.FloatTensor``, and in its MoE layer
+Transformer Engine's router GEMM and the token dispatcher's device-to-host copies). The front ends'
 CPU modes (:func:`nemo_fp4qat.nemo.megatron_cpu_mode`, :func:`nemo_fp4qat.bridge.bridge_cpu_mode`) answer
 them with the CPU through :func:`torch_cuda_on_cpu` and :func:`megatron_core_on_cpu` for the duration of a
 block; they are explicit, opt-in, and inert where CUDA is available. Plain torch only: this module imports
@@ -63,8 +64,11 @@ class _NullStream:
     def synchronize(self) -> None:
         pass
 
-    def record_event(self, *_: Any, **__: Any) -> None:
-        return None
+    def record_event(self, *_: Any, **__: Any) -> _NullStream:
+        return _NullStream()  # an event that is already done (megatron-core's MoE dispatcher synchronizes on it)
+
+    def wait(self, *_: Any, **__: Any) -> None:
+        pass
 
     def record(self, *_: Any, **__: Any) -> None:
         pass
@@ -139,4 +143,28 @@ def megatron_core_on_cpu(stack: contextlib.ExitStack) -> bool:
     stack.enter_context(patched(mrandom.CudaRNGStatesTracker, "fork", lambda self, name=None: contextlib.nullcontext()))
     stack.enter_context(patched(mrandom, "_set_cuda_rng_state", lambda *a, **k: None))
     stack.enter_context(patched(moptimizer, "clip_grad_by_total_norm_fp32", _clip_grads_on_cpu))
+    _moe_on_cpu(stack)
     return True
+
+
+def _moe_on_cpu(stack: contextlib.ExitStack) -> None:
+    """megatron-core's mixture-of-experts layer on the CPU: the router's gating GEMM reads Transformer Engine's
+    ``te_general_gemm``, which is undefined without TE (None takes its torch.mm path), and the alltoall token
+    dispatcher passes its split sizes to ``all_to_all_single`` as CPU tensors where a GPU run passes the numpy
+    arrays of its device-to-host copy (gloo's binding refuses tensors): CPU tensors asked for as numpy become numpy.
+    """
+    try:
+        from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    except ImportError:
+        return
+    if not getattr(moe_utils, "HAVE_TE", False) and not hasattr(moe_utils, "te_general_gemm"):
+        stack.enter_context(patched(moe_utils, "te_general_gemm", None))
+    move = getattr(token_dispatcher, "maybe_move_tensor_to_cpu", None)
+    if move is not None:
+
+        def to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+            if as_numpy and isinstance(tensor, torch.Tensor) and not tensor.is_cuda:
+                return tensor.numpy()
+            return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+        stack.enter_context(patched(token_dispatcher, "maybe_move_tensor_to_cpu", to_host))

@@ -31,6 +31,8 @@ import torch
 import torch.nn as nn
 
 from ..numerics.cpu_shims import modelopt_export_on_cpu
+from ..qat.moe import split_expert_name
+from ..qat.policy import is_quantizable_linear
 from ..qat.scale_levers import fold_learned_scales
 from ..qat.w4a8_scaling import w4a8_export_amax
 from ..specs import from_fields
@@ -350,6 +352,21 @@ def _refuse_static_fused_qkv(model: nn.Module) -> None:
         )
 
 
+def refuse_moe_trtllm(model: nn.Module) -> None:
+    """A TensorRT-LLM checkpoint of a mixture-of-experts model: modelopt's writer supports experts only for some
+    decoder types (``build_moe_config`` asserts llama, dbrx, phi3, deepseek or qwen with a bare AssertionError), and
+    its stacked expert tensors are not what this plugin's validator reads. The unified HF checkpoint carries every
+    expert under its own name and is validated code for code; refuse the other kind before anything is written."""
+    experts = [name for name, m in model.named_modules() if split_expert_name(name) and is_quantizable_linear(m)]
+    if experts:
+        raise ExportRefused(
+            f"Export refused, nothing was written: this is a mixture-of-experts model ({len(experts)} routed expert "
+            f"linears, e.g. {experts[0]}), and a TensorRT-LLM checkpoint (kind='trtllm') of one is not written or "
+            "validated by this plugin. Export a unified HF checkpoint (kind='hf'): TensorRT-LLM's LLM API, vLLM and "
+            "SGLang load it with every expert in its trained format."
+        )
+
+
 def export_checkpoint(
     model: nn.Module,
     out_dir: str | Path,
@@ -381,6 +398,7 @@ def export_checkpoint(
     fold_learned_scales(model)
     layers = preflight(model, cfg.runtime, cfg.tensor_parallel)
     if cfg.kind == "trtllm":
+        refuse_moe_trtllm(model)
         _refuse_static_fused_qkv(model)
     with atomic_directory(out, overwrite=cfg.overwrite) as tmp:
         # W4A8 layers train with 6 x amax (w4a8_scaling); modelopt's exporter needs the true amax

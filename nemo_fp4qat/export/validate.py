@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from ..qat.moe import expert_projections
 from .atomic import file_sha256, read_manifest
 from .engine_fields import engine_field_problems, is_fused_alias
 from .layout import FLOAT_DTYPES, SCALE_NAMES, check_layout, layer_layout
@@ -45,7 +46,7 @@ from .weight_check import compare_weights, model_reference, resmoothed
 __all__ = ["Problem", "ValidationReport", "load_export", "validate_export"]
 
 _EMBEDDING = re.compile(r"(embed|vocab_embedding|lm_head|output_layer)")
-_FUSED = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("fc", "gate")]
+_FUSED = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("fc", "gate"), ("w1", "w3")]
 _SMOOTHED = ("W4A16_AWQ", "W4A8_AWQ", "W8A8_SQ_PER_CHANNEL")
 
 
@@ -184,6 +185,17 @@ def validate_export(
                     rep.error(f"{parent}.{{{','.join(group_names)}}}.{attr}",
                               f"fused siblings disagree ({[float(v.float().max()) for v in vals]}); TensorRT-LLM "
                               "loads them as one GEMM with one scale. Train with share_fused_amax=True.")  # fmt: skip
+
+    # a MoE layer's experts: the engines' fused MoE kernels take one input scale per projection for all of them
+    for (layer, proj), experts in expert_projections(mods).items():
+        scales = [mods[e]["input_scale"] for e in experts if "input_scale" in mods[e]]
+        if len(scales) > 1 and any(not torch.equal(s.float(), scales[0].float()) for s in scales[1:]):
+            values = sorted({float(s.float().max()) for s in scales})
+            rep.error(f"{layer}.*.{proj}.input_scale",
+                      f"the experts disagree ({len(values)} values from {values[0]:g} to {values[-1]:g}); the "
+                      "engines run a layer's experts as one fused GEMM with one input scale, so they would deploy "
+                      "with another quantization than trained. Train with this plugin (it ties them after every "
+                      "calibration) or recalibrate.")  # fmt: skip
 
     if kv is not None:
         kv_scales = [k for k in tensors if k.endswith(("k_scale", "v_scale", "kv_cache_scaling_factor"))]

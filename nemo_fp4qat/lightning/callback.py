@@ -187,6 +187,10 @@ class FP4QATCallback(pl.Callback):
             table = self.controller.resolve(module)
         else:
             table = self.controller.prepare(module)
+        if self.export is not None and self.export.kind == "trtllm":
+            from ..export.exporters import refuse_moe_trtllm
+
+            refuse_moe_trtllm(module)  # before training, not after it
         rank_zero_info(f"nemo_fp4qat: policy {self.controller.policy.name!r}\n{table.format_table()}")
         self._prepared = True
 

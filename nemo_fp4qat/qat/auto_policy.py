@@ -116,7 +116,9 @@ def auto_policy(
     batches = list(batches)
     if not batches:
         raise ConfigError("auto_policy needs at least one batch to calibrate and score the formats on.")
-    keep = LayerPolicy.preset("default").rules[0]  # embeddings, output layer, norms, routers: full precision
+    # routers, embeddings, output layer, norms: full precision (the default preset's first two rules)
+    router, embed = LayerPolicy.preset("default").rules[:2]
+    keep = PolicyRule(patterns=router.patterns + embed.patterns, weight=None, group=embed.group)
     work = copy.deepcopy(model).train()  # a copy: the caller's model keeps its mode and weights
     try:
         search = mtq.auto_quantize(

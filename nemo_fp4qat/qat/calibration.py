@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from ..specs import ConfigError, from_fields
 from .batches import collect_batches, default_forward, forward_batches
+from .moe import split_expert_name
 from .policy import is_quantizer
 from .scale_levers import ACT_SCALES, WEIGHT_SCALES, check_choice, require_levers
 from .smoothing import SmoothingConfig
@@ -208,7 +209,24 @@ def sync_amax_across_ranks(model: nn.Module) -> int:
             )
     if not entries:
         return 0
-    reduced = _all_reduce_flat([a.detach().float() for _, a in entries], dist.ReduceOp.MAX, group)
-    for (_, a), r in zip(entries, reduced, strict=True):
-        a.data.copy_(r.view_as(a))
+    # under expert parallelism each rank holds other experts under the same local names: an expert's amax is
+    # reduced only over the ranks that hold that expert (megatron's expert data-parallel group)
+    expert_group = _expert_data_parallel_group()
+    by_group: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+    for name, a in entries:
+        g = expert_group if expert_group is not None and split_expert_name(name.rsplit(".", 1)[0]) else group
+        by_group.setdefault(id(g), (g, []))[1].append(a)
+    for g, amaxes in by_group.values():
+        reduced = _all_reduce_flat([a.detach().float() for a in amaxes], dist.ReduceOp.MAX, g)
+        for a, r in zip(amaxes, reduced, strict=True):
+            a.data.copy_(r.view_as(a))
     return len(entries)
+
+
+def _expert_data_parallel_group() -> Any:
+    """The ranks that hold the same routed experts under megatron-core expert parallelism (EP > 1), else None."""
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is None or not ps.model_parallel_is_initialized() or ps.get_expert_model_parallel_world_size() <= 1:
+        return None
+    getter = getattr(ps, "get_expert_data_parallel_group", None) or ps.get_data_modulo_expert_parallel_group
+    return getter()

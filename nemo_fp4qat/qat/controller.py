@@ -22,6 +22,7 @@ from .calibration import CalibrationConfig, default_forward, run_calibration, sy
 from .config import QATConfig, check_levers
 from .fused_siblings import find_fused_siblings, share_fused_amax
 from .modelopt_compat import apply_quant_cfg, build_quant_cfg, calibration_algorithm
+from .moe import tie_expert_amax
 from .policy import POLICY_PRESETS, LayerPolicy, PolicyTable, element_bits, is_quantizer
 from .scale_levers import (
     LearnedScalesConfig,
@@ -273,6 +274,8 @@ class QATController:
     def _after_calibration(self, model: nn.Module) -> None:
         if self.calibration.sync_ranks:
             sync_amax_across_ranks(model)
+        # one input amax per projection across a MoE layer's experts (the engines' fused MoE kernels take one)
+        tie_expert_amax(model)
         if self.fused_groups:
             share_fused_amax(model, self.fused_groups)
 

@@ -4,7 +4,8 @@ A :class:`LayerPolicy` is an ordered list of :class:`PolicyRule` (first match wi
 for linear layers no rule names. Rules use module-name globs; presets cover megatron-core names
 (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``, ``embedding``, ``output_layer``)
 and Hugging Face Llama/Qwen/Mistral names (``q_proj`` ... ``down_proj``, ``lm_head``,
-``embed_tokens``) at once. Resolving a policy against a model gives a :class:`PolicyTable` that
+``embed_tokens``) at once, and mixture-of-experts layers in both (groups ``router``, always 16-bit,
+``experts`` and ``shared_experts``: :mod:`.moe`). Resolving a policy against a model gives a :class:`PolicyTable` that
 users print and that drives the modelopt config.
 """
 
@@ -20,6 +21,7 @@ import torch.nn as nn
 
 from ..numerics.formats import FULL_PRECISION, QuantFormat, get_format
 from ..specs import ConfigError, did_you_mean, from_fields
+from .moe import EXPERT_PATTERNS, ROUTER_PATTERNS, SHARED_EXPERT_PATTERNS, check_moe_formats, is_router
 
 # KV-cache formats a policy may request (TensorRT-LLM deploys FP8 KV caches from calibrated scales).
 KV_CACHE_FORMATS = frozenset({"fp8"})
@@ -96,11 +98,10 @@ class PolicyRule:
 
 
 # Rule building blocks shared by the presets (both naming sets in each rule).
+# MoE routers: always 16-bit (a policy that quantizes one is refused: moe.check_moe_formats).
+_ROUTER = dict(patterns=list(ROUTER_PATTERNS), weight=None, group="router", optional=True)
 _EMBED_OUT_NORM = dict(
-    patterns=[
-        "*embedding*", "*embed_tokens*", "*wte", "*output_layer*", "*lm_head*", "*norm*",
-        "*router*", "*mlp.gate", "*block_sparse_moe.gate",
-    ],
+    patterns=["*embedding*", "*embed_tokens*", "*wte", "*output_layer*", "*lm_head*", "*norm*"],
     weight=None, group="embedding_output_norm",
 )  # fmt: skip
 _ATTENTION = [
@@ -113,15 +114,28 @@ _MLP = [
 ]  # fmt: skip
 
 
+def _mlp_rules(weight: str = "nvfp4", mlp_input: str = "same") -> list[dict[str, Any]]:
+    """Shared experts, routed experts and dense MLPs, each a group of its own (in that order: the expert globs are
+    narrower than the MLP's projection names, which expert linears also carry), all in one format. Each is optional:
+    a dense model has no experts, a MoE model may have no dense MLP."""
+    groups = ((list(SHARED_EXPERT_PATTERNS), "shared_experts"), (list(EXPERT_PATTERNS), "experts"), (_MLP, "mlp"))
+    rules = []
+    for patterns, group in groups:
+        rule: dict[str, Any] = dict(patterns=patterns, weight=weight, group=group, optional=True)
+        if mlp_input != "same":
+            rule["input"] = mlp_input
+        rules.append(rule)
+    return rules
+
+
 def _attention_mlp(
     attention: str, mlp_input: str = "same", default: str = "nvfp4", runtime: str = "trtllm"
 ) -> dict[str, Any]:
-    """Embeddings / output / norms in full precision, attention in ``attention``, MLP NVFP4 weights with
-    ``mlp_input`` activations, other linears ``default``: the shape the attention-vs-MLP presets share."""
-    mlp = dict(patterns=_MLP, weight="nvfp4", group="mlp")
-    if mlp_input != "same":
-        mlp["input"] = mlp_input
-    rules = [_EMBED_OUT_NORM, dict(patterns=_ATTENTION, weight=attention, group="attention"), mlp]
+    """Routers, embeddings / output / norms in full precision, attention in ``attention``, MLP and experts NVFP4
+    weights with ``mlp_input`` activations, other linears ``default``: the shape the attention-vs-MLP presets
+    share."""
+    rules = [_ROUTER, _EMBED_OUT_NORM, dict(patterns=_ATTENTION, weight=attention, group="attention"),
+             *_mlp_rules("nvfp4", mlp_input)]  # fmt: skip
     return {"rules": rules, "default": default, "runtime": runtime}
 
 
@@ -145,13 +159,9 @@ POLICY_PRESETS: dict[str, dict[str, Any]] = {
     # The same formats under the name earlier releases used for them (warns: see _OLD_NAMES).
     "trtllm_mixed": _FP8_ATTENTION_NVFP4_MLP,
     # Keep embeddings, the output layer, norms and MoE routers in full precision; NVFP4 elsewhere.
-    "fp_embeddings": {"rules": [_EMBED_OUT_NORM], "default": "nvfp4", "runtime": "trtllm"},
-    # MLP in NVFP4 only; other linear layers stay in full precision.
-    "aggressive_mlp": {
-        "rules": [_EMBED_OUT_NORM, dict(patterns=_MLP, weight="nvfp4", group="mlp")],
-        "default": None,
-        "runtime": "trtllm",
-    },
+    "fp_embeddings": {"rules": [_ROUTER, _EMBED_OUT_NORM, *_mlp_rules()], "default": "nvfp4", "runtime": "trtllm"},
+    # MLP (experts included) in NVFP4 only; other linear layers stay in full precision.
+    "aggressive_mlp": {"rules": [_ROUTER, _EMBED_OUT_NORM, *_mlp_rules()], "default": None, "runtime": "trtllm"},
     # Attention projections at 8 bits with per-32 block scales (MXFP8: finer scaling than FP8's one
     # scale per tensor); everything else NVFP4. TensorRT-LLM has no dense MXFP8 kernel; vLLM and SGLang
     # load both formats from a unified HF checkpoint (and this plugin's server runs it).
@@ -357,7 +367,10 @@ class LayerPolicy:
                         rows.append(PolicyRow(name, rule.group, label, rule.weight, rule.input, quantizable))
                     break
             else:
-                if quantizable:
+                if quantizable and is_router(name):  # the default names linears; a router is never quantized by it
+                    rows.append(PolicyRow(name, "router", "router (16-bit)", FULL_PRECISION.name,
+                                          FULL_PRECISION.name, True))  # fmt: skip
+                elif quantizable:
                     rows.append(PolicyRow(name, "other", "default", self.default, self.default, True))
         for i, rule in enumerate(self.rules):
             if hits[i] == 0 and not rule.optional:
@@ -367,6 +380,7 @@ class LayerPolicy:
                     f"matches no module of {type(model).__name__}. Fix the glob (module names look like: "
                     f"{sample}) or mark the rule 'optional: true'."
                 )
+        check_moe_formats(rows)
         table = PolicyTable(rows)
         if not any(r.quantized for r in rows):
             raise ValueError(

@@ -77,3 +77,45 @@ def nemo_is_qnemo_checkpoint():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod.is_qnemo_checkpoint
+
+
+MOE_EXPERTS = 4
+
+
+def tiny_moe_gpt(ep: int = 1, seed: int = 0, shared: bool = True):
+    """A tiny megatron-core MoE GPT (local spec, SequentialMLP experts, 4 experts top-2, alltoall dispatcher, a shared
+    expert, Llama layout) for expert-parallel size ``ep``: each rank builds ``4 / ep`` local experts."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(seed)
+    cfg = TransformerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+        use_cpu_initialization=True, bias_activation_fusion=False, masked_softmax_fusion=False,
+        persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        normalization="RMSNorm", add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+        num_moe_experts=MOE_EXPERTS, moe_ffn_hidden_size=64, moe_router_topk=2, moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_load_balancing_type="none",
+        expert_model_parallel_size=ep, **({"moe_shared_expert_intermediate_size": 32} if shared else {}),
+    )  # fmt: skip
+    spec = get_gpt_layer_local_spec(num_experts=MOE_EXPERTS, moe_grouped_gemm=False, normalization="RMSNorm")
+    return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=96, max_sequence_length=64,
+                    position_embedding_type="rope")  # fmt: skip
+
+
+def expert_rank_state(full: dict, rank: int, ep: int) -> dict:
+    """The state dict an expert-parallel rank holds, cut from the one-rank model's: global expert ``rank * n + i`` as
+    ``local_experts.i`` (``n = experts / ep``), everything else whole."""
+    per = MOE_EXPERTS // ep
+    out = {}
+    for key, value in full.items():
+        if ".experts.local_experts." in key:
+            head, tail = key.split(".experts.local_experts.")
+            index, rest = tail.split(".", 1)
+            if int(index) // per != rank:
+                continue
+            key = f"{head}.experts.local_experts.{int(index) - rank * per}.{rest}"
+        out[key] = value
+    return out

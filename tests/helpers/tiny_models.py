@@ -143,3 +143,46 @@ def calibrated_tiny_llama(policy, hidden=128, seed=0, kv_cache=None, dtype=torch
     ctl.calibrate(model, [torch.randint(0, VOCAB, (2, 16), generator=g) for _ in range(4)])
     ctl.step(model, 0)
     return model
+
+
+def tiny_moe(kind: str = "qwen3", seed: int = 0, hidden: int = 64, layers: int = 2, experts: int = 4) -> nn.Module:
+    """A tiny Hugging Face mixture-of-experts causal LM: ``qwen3`` (Qwen3-MoE: ``mlp.gate``, ``mlp.experts.N``),
+    ``mixtral`` (``block_sparse_moe.gate``, experts ``w1``/``w2``/``w3``) or ``qwen2`` (Qwen2-MoE: a shared expert
+    and its gate beside the routed experts); top-2 routing, every layer sparse."""
+    from transformers import (
+        MixtralConfig,
+        MixtralForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+                  num_experts_per_tok=2)  # fmt: skip
+    if kind == "qwen3":
+        cfg = Qwen3MoeConfig(
+            **common,
+            intermediate_size=2 * hidden,
+            moe_intermediate_size=hidden // 2,
+            num_experts=experts,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            head_dim=hidden // 4,
+        )
+        return Qwen3MoeForCausalLM(cfg)  # fmt: skip
+    if kind == "mixtral":
+        return MixtralForCausalLM(MixtralConfig(**common, intermediate_size=hidden // 2, num_local_experts=experts))
+    if kind == "qwen2":
+        cfg = Qwen2MoeConfig(
+            **common,
+            intermediate_size=2 * hidden,
+            moe_intermediate_size=hidden // 2,
+            shared_expert_intermediate_size=hidden,
+            num_experts=experts,
+            decoder_sparse_step=1,
+        )
+        return Qwen2MoeForCausalLM(cfg)  # fmt: skip
+    raise ValueError(f"unknown tiny MoE kind {kind!r}")
