@@ -72,8 +72,8 @@ def _worker(rank: int, world: int, init: str, folder: str, out: dict) -> None:
                 dist.all_reduce(total)
             result["losses"].append(float(total))
         modules = dict(model.named_modules())
-        result["amax"] = {n: m._amax.detach().clone() for n, m in modules.items()
-                          if n.endswith("_quantizer") and isinstance(getattr(m, "_amax", None), torch.Tensor)}  # fmt: skip
+        amaxes = {n: getattr(m, "_amax", None) for n, m in modules.items() if n.endswith("_quantizer")}
+        result["amax"] = {n: a.detach().clone() for n, a in amaxes.items() if isinstance(a, torch.Tensor)}
         result["state"] = {k: v.detach().clone() for k, v in model.state_dict().items() if "_extra_state" not in k}
         result["formats"] = dict(ctl.current)
     out[rank] = result
