@@ -8,10 +8,14 @@ policy resolved against it shows which format every layer of the real run gets.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from typing import Any
 
+import torch
+
+from ..megatron_cpu import patched
 from ..qat.policy import LayerPolicy, PolicyTable
 
 __all__ = ["policy_plan"]
@@ -48,7 +52,7 @@ def policy_plan(provider: Any, policy: str | dict | LayerPolicy, num_layers: int
         policy: a preset name, a policy dict or YAML path, or a :class:`~nemo_fp4qat.LayerPolicy`.
         num_layers: how many transformer layers the copy has (every layer is named alike).
 
-    The copy is built on the meta device at tensor and pipeline size 1 with megatron-core's local layer spec
+    The copy is built on the meta device at tensor, pipeline and expert size 1 with megatron-core's local layer spec
     (Transformer Engine's layers, which need a GPU, name their linear layers alike), in a one-process group when
     torch.distributed is not initialized (call it from a dry run, not inside a training run).
     """
@@ -70,10 +74,23 @@ def policy_plan(provider: Any, policy: str | dict | LayerPolicy, num_layers: int
     small.transformer_impl = "local"
     for fused in _GPU_FUSIONS:  # fused kernels the recipe turns on for GPUs; module names do not depend on them
         setattr(small, fused, False)
+    if getattr(small, "num_moe_experts", None):
+        # every expert on the one process, in the local spec's SequentialMLP (one linear per expert and projection,
+        # the names modelopt quantizes), dispatched without Transformer Engine's fused permutation or router
+        small.expert_model_parallel_size, small.expert_tensor_parallel_size = 1, None
+        small.moe_grouped_gemm = small.moe_permute_fusion = small.moe_router_fusion = False
+        small.moe_token_dispatcher_type = "alltoall"
+        small.moe_shared_expert_overlap = False
     small.attention_backend = AttnBackend.local
     small.cuda_graph_impl = "none"
     small.tp_comm_overlap = False
     small.finalize()
     small._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-    model = small.provide(pre_process=True, post_process=True)
+    with contextlib.ExitStack() as stack:
+        if not torch.cuda.is_available():
+            # the alltoall token dispatcher creates a CUDA stream when first built; a meta model never uses it
+            from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+            stack.enter_context(patched(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", object()))
+        model = small.provide(pre_process=True, post_process=True)
     return LayerPolicy.resolve_spec(policy).resolve(model)

@@ -31,6 +31,7 @@ import torch.nn as nn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from ..monitor.analysis import amax_of, analyze_model, quantized_layers
+from ..monitor.experts import ExpertLoad, starved_experts
 from ..monitor.findings import ACTIONS, Finding, MonitorThresholds, add_finding, check_layer
 from ..monitor.report import summary_table, write_report
 from ..monitor.stages import exchange_findings, merge_stage_records
@@ -105,6 +106,7 @@ class QuantizationMonitor(pl.Callback):
         self._pp = 1  # pipeline stages; > 1: names are the whole model's, findings are exchanged every step
         self._offset = 0  # this stage's first transformer layer
         self._pending: list[tuple[dict[str, Any], str | None]] = []  # this step's findings and their layer groups
+        self.expert_load = ExpertLoad()  # tokens per routed expert since the last measurement (MoE models)
 
     # --- helpers ------------------------------------------------------------------------------
     def _module(self, pl_module: pl.LightningModule) -> nn.Module:
@@ -159,6 +161,7 @@ class QuantizationMonitor(pl.Callback):
         self._snapshot_amax(module)
         if self.check_finite_every_step:
             self._install_finite_hooks(module)
+        self.expert_load.attach(module, {n: self._g(n) for n, _ in module.named_modules()})
 
     def _install_finite_hooks(self, module: nn.Module) -> None:
         """A pre-hook on every enabled input quantizer: counts NaN/Inf in what it is about to clip."""
@@ -183,6 +186,7 @@ class QuantizationMonitor(pl.Callback):
             self._finite_hooks.append(iq.register_forward_pre_hook(pre_hook))
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.expert_load.detach()
         for h in self._finite_hooks:
             h.remove()
         self._finite_hooks = []
@@ -280,10 +284,14 @@ class QuantizationMonitor(pl.Callback):
             # the end-of-training analysis runs no forward: the inputs it shows are the last measured step's, whose
             # findings were made at that step
             self._check(trainer, step, name, {k: v for k, v in rec.items() if k not in inputs} if final else rec, th)
+        experts = self._check_expert_load(trainer, step, metrics)
         # what a measurement costs (the issue's budget: under 5 s per switch on the demo's SmolLM2)
         seconds = time.perf_counter() - t0
-        self.records.append({"step": step, "stage": self._stage_label(trainer), "final": final, "seconds": seconds,
-                             "layers": layers})  # fmt: skip
+        record = {"step": step, "stage": self._stage_label(trainer), "final": final, "seconds": seconds,
+                  "layers": layers}  # fmt: skip
+        if experts:
+            record["expert_tokens"] = experts
+        self.records.append(record)
         if trainer.logger is not None and metrics:
             trainer.logger.log_metrics(metrics, step=step)
         qat = self._qat(trainer)
@@ -291,6 +299,23 @@ class QuantizationMonitor(pl.Callback):
             rank_zero_info(
                 self.summary_table(layers, f"quantization quality at step {step} ({self._stage_label(trainer)})")
             )
+
+    def _check_expert_load(self, trainer: pl.Trainer, step: int, metrics: dict[str, float]) -> dict[str, list[int]]:
+        """Tokens each routed expert received since the last measurement (per MoE layer, by the router's name);
+        dead and starved experts become findings under the expert's name (``<layer>.experts.<global index>``)."""
+        counts = self.expert_load.snapshot()
+        self.expert_load.reset()
+        for router, per_expert in counts.items():
+            for i, tokens in enumerate(per_expert):
+                metrics[f"moe/{router}/expert_{i}_tokens"] = float(tokens)
+        for router, expert, tokens, share in starved_experts(counts, self.thresholds.min_expert_share):
+            name = f"{router.rpartition('.')[0]}.experts.{expert}"
+            if tokens == 0:
+                self._find(trainer, step, name, "dead_expert", "tokens", 0.0, 1.0)
+            else:
+                self._find(trainer, step, name, "starved_expert", "share_of_even_load", share,
+                           self.thresholds.min_expert_share)  # fmt: skip
+        return counts
 
     def _check(self, trainer, step: int, name: str, rec: dict[str, Any], th: MonitorThresholds) -> None:
         for problem, metric, value, threshold in check_layer(rec, th):

@@ -29,6 +29,8 @@ class MonitorThresholds:
         max_flushed_frac: share of non-zero weights quantized to zero ("heavy_flush").
         loss_spike_factor: loss above this times its running mean within ``spike_window`` steps
             after a switch is a "loss_spike_after_switch".
+        min_expert_share: a routed expert that received less than this share of an even split of its MoE layer's
+            tokens since the last measurement is a "starved_expert" (none at all: "dead_expert").
     """
 
     max_weight_rel_err: float = 0.25
@@ -38,6 +40,7 @@ class MonitorThresholds:
     max_flushed_frac: float = 0.5
     loss_spike_factor: float = 1.5
     spike_window: int = 5
+    min_expert_share: float = 0.1
 
     @classmethod
     def resolve_spec(cls, spec: MonitorThresholds | dict[str, Any] | None) -> MonitorThresholds:
@@ -54,6 +57,10 @@ SUGGESTIONS = {
     "heavy_flush": "most weights round to zero: use a finer block scale (nvfp4) or a higher precision",
     "loss_spike_after_switch": "lower the learning rate around switches, add a ramp (ramp_steps), or stay "
     "longer in the previous stage",
+    "dead_expert": "no token reached this expert: it gets no gradient and keeps what calibration gave it; balance the "
+    "router (load-balancing loss) or train on more varied data",
+    "starved_expert": "this expert gets few tokens, so QAT barely adapts it to its format; balance the router "
+    "(load-balancing loss) or keep the layer's experts at a higher precision",
 }
 
 

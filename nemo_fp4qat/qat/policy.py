@@ -158,8 +158,9 @@ POLICY_PRESETS: dict[str, dict[str, Any]] = {
     "default": _FP8_ATTENTION_NVFP4_MLP,
     # The same formats under the name earlier releases used for them (warns: see _OLD_NAMES).
     "trtllm_mixed": _FP8_ATTENTION_NVFP4_MLP,
-    # Keep embeddings, the output layer, norms and MoE routers in full precision; NVFP4 elsewhere.
-    "fp_embeddings": {"rules": [_ROUTER, _EMBED_OUT_NORM, *_mlp_rules()], "default": "nvfp4", "runtime": "trtllm"},
+    # Keep embeddings, the output layer, norms and MoE routers in full precision; NVFP4 elsewhere (MoE experts and
+    # shared experts in groups of their own, every other linear in the default's group).
+    "fp_embeddings": {"rules": [_ROUTER, _EMBED_OUT_NORM, *_mlp_rules()[:2]], "default": "nvfp4", "runtime": "trtllm"},
     # MLP (experts included) in NVFP4 only; other linear layers stay in full precision.
     "aggressive_mlp": {"rules": [_ROUTER, _EMBED_OUT_NORM, *_mlp_rules()], "default": None, "runtime": "trtllm"},
     # Attention projections at 8 bits with per-32 block scales (MXFP8: finer scaling than FP8's one

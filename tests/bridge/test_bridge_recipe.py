@@ -29,10 +29,24 @@ LLAMA3_70B = {**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672, "num
               "num_hidden_layers": 80}  # fmt: skip
 
 
-def _offline_hub(home, name, config):
+# Qwen/Qwen3-30B-A3B's (Bridge's recipe pins a revision of it)
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960,
+    "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False,
+    "vocab_size": 151936,
+}  # fmt: skip
+QWEN3_REVISION = "ad44e777bcd18fa416d9da3bd8f70d33ebb85d39"  # pragma: allowlist secret
+
+
+def _offline_hub(home, name, config, owner="meta-llama", commit="0" * 40):
     """An offline Hugging Face cache holding the model's config, as a first download leaves it."""
-    repo = home / "hub" / f"models--meta-llama--{name}"
-    commit = "0" * 40
+    repo = home / "hub" / f"models--{owner}--{name}"
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(commit)
     snap = repo / "snapshots" / commit
@@ -69,6 +83,26 @@ def test_llama3_nvfp4_qad_example_builds_from_bridges_recipe_at_its_shape(tmp_pa
             assert rows[f"decoder.layers.{layer}.{m}"] == ["mlp", "nvfp4", "nvfp4"], rows
     for m in ("embedding.word_embeddings", "output_layer", "decoder.final_layernorm"):
         assert rows[m] == ["embedding_output_norm", "bf16", "bf16"], rows
+
+
+def test_qwen3_moe_nvfp4_qad_example_builds_bridges_moe_recipe_and_files_every_expert(tmp_path):
+    _offline_hub(tmp_path / "hf", "Qwen3-30B-A3B", QWEN3_30B_A3B, owner="Qwen", commit=QWEN3_REVISION)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "bridge_qwen3_moe_nvfp4_qad.py"), "--dryrun", "--base", "/ckpts/q3"],
+        env=worker_env(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1"), capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "layers=48 hidden=2048 experts=128 top_k=8 TP=4 PP=2 EP=4 CP=1 seq=2048" in out, out
+    assert "'hf_model': 'Qwen/Qwen3-30B-A3B'" in out and "distillation='qad'" in out
+    rows = {line.split()[0]: line.split()[1:4] for line in out.splitlines() if line.startswith(("decoder.", "embed",
+                                                                                               "output"))}  # fmt: skip
+    for layer in (0, 1):
+        assert rows[f"decoder.layers.{layer}.mlp.router"] == ["router", "bf16", "bf16"]
+        assert rows[f"decoder.layers.{layer}.self_attention.linear_qkv"] == ["attention", "fp8", "fp8"]
+        experts = {n: r for n, r in rows.items() if n.startswith(f"decoder.layers.{layer}.mlp.experts.")}
+        assert len(experts) == 128 * 2 and all(r == ["experts", "nvfp4", "nvfp4"] for r in experts.values())
 
 
 def test_calibrated_and_learned_weight_scales_are_refused_on_bridge_by_name():

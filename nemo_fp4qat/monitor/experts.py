@@ -1,0 +1,90 @@
+"""Expert load in mixture-of-experts layers: how many tokens each routed expert receives, and which are starved.
+
+A dead or starved expert gets (almost) no gradient, so QAT cannot adapt it to its format, and what it holds is
+whatever calibration left. Counted by forward hooks on the routers, for both naming sets: a Hugging Face router is
+a linear layer whose logits the MoE block takes the top-k of (``mlp.gate``, ``block_sparse_moe.gate``; k is the
+block's ``top_k``); megatron-core's ``TopKRouter`` returns its routing map (tokens x experts) itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..qat.moe import is_router
+
+__all__ = ["ExpertLoad", "starved_experts"]
+
+
+class ExpertLoad:
+    """Token counts per routed expert, per MoE layer, since the last :meth:`reset`.
+
+    Example:
+        >>> load = ExpertLoad()
+        >>> load.attach(model)  # doctest: +SKIP
+        >>> model(batch); load.counts  # doctest: +SKIP
+        {'model.layers.0.mlp.gate': tensor([31, 12, 0, 21])}
+    """
+
+    def __init__(self) -> None:
+        self.counts: dict[str, torch.Tensor] = {}
+        self.top_k: dict[str, int] = {}
+        self._hooks: list[Any] = []
+
+    def attach(self, model: nn.Module, names: dict[str, str] | None = None) -> int:
+        """Hook every router of ``model`` (``names``: module name -> the name to report it under). Returns the count."""
+        self.detach()
+        modules = dict(model.named_modules())
+        for name, module in modules.items():
+            if not is_router(name) or "shared_expert_gate" in name:
+                continue
+            parent = modules.get(name.rpartition(".")[0])
+            k = getattr(parent, "top_k", None) or getattr(module, "topk", None)
+            key = (names or {}).get(name, name)
+            self.top_k[key] = int(k or 1)
+            self._hooks.append(module.register_forward_hook(self._hook(key, k)))
+        return len(self._hooks)
+
+    def _hook(self, key: str, top_k: int | None) -> Any:
+        def count(module: nn.Module, args: Any, output: Any) -> None:
+            with torch.no_grad():
+                if isinstance(output, tuple) and len(output) == 2 and output[1].dtype == torch.bool:
+                    chosen = output[1].reshape(-1, output[1].shape[-1]).sum(0)  # megatron-core: the routing map
+                else:
+                    logits = output[0] if isinstance(output, tuple) else output
+                    logits = logits.reshape(-1, logits.shape[-1])
+                    picks = torch.topk(logits.float(), min(int(top_k or 1), logits.shape[-1]), dim=-1).indices
+                    chosen = torch.bincount(picks.reshape(-1), minlength=logits.shape[-1])
+                chosen = chosen.to("cpu", torch.long)
+                self.counts[key] = self.counts[key] + chosen if key in self.counts else chosen
+
+        return count
+
+    def reset(self) -> None:
+        self.counts = {}
+
+    def detach(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def snapshot(self) -> dict[str, list[int]]:
+        """The counts as plain lists (for reports and logs)."""
+        return {k: [int(x) for x in v] for k, v in sorted(self.counts.items())}
+
+
+def starved_experts(counts: dict[str, list[int]], min_share: float) -> list[tuple[str, int, int, float]]:
+    """``(router, expert, tokens, share of an even load)`` of each expert whose load is below ``min_share`` of an even
+    split of its layer's routed tokens (0 tokens: dead)."""
+    out = []
+    for router, per_expert in counts.items():
+        total = sum(per_expert)
+        if total == 0:
+            continue
+        even = total / len(per_expert)
+        for expert, tokens in enumerate(per_expert):
+            if tokens < min_share * even:
+                out.append((router, expert, tokens, tokens / even))
+    return out
