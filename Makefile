@@ -11,7 +11,7 @@ BRIDGE_PYTHON ?= $(shell p=$$(pyenv root 2>/dev/null)/versions/3.12.1/bin/python
 BENCH_SITE := .bench-site
 PIP_QUIET := -q --disable-pip-version-check
 
-.PHONY: demo test test-core test-nemo test-nemo-all test-bridge test-bridge-all test-engines lint env bench bench-accuracy mutate reliability gpu-wheels gpu-check clean
+.PHONY: demo test test-core test-core-all test-nemo test-nemo-all test-bridge test-bridge-all test-engines lint env bench bench-accuracy mutate reliability gpu-wheels gpu-check clean
 
 env: $(CORE)/.stamp $(NEMO)/.stamp $(BRIDGE)/.stamp
 
@@ -51,6 +51,10 @@ lint: $(CORE)/.stamp
 	$(CORE)/bin/ruff check nemo_fp4qat tests benchmarks examples && $(CORE)/bin/ruff format --check nemo_fp4qat tests benchmarks examples
 
 test-core: $(CORE)/.stamp
+	$(CORE)/bin/python -m pytest -q -m "not nemo and not bridge and not slow_core" tests
+
+# Every core test: make test's subset plus the mixture-of-experts demo on the upcycled SmolLM2 (about 5 minutes).
+test-core-all: $(CORE)/.stamp
 	$(CORE)/bin/python -m pytest -q -m "not nemo and not bridge" tests
 
 # The nemo environment reruns what its modelopt (0.37) changes: quantizers, calibration, QAT, export, and the NeMo

@@ -49,7 +49,7 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(out_dir=args.out, quick=args.quick, steps=args.steps, distill_alpha=args.distill,
                     schedule=args.schedule, policy=args.policy, mode=args.mode, qad_lr=args.qad_lr,
                     qad_steps=args.qad_steps, plain_qat=args.plain_qat or None, smoothing=smoothing,
-                    block_scale_search=args.block_scale_search)  # fmt: skip
+                    block_scale_search=args.block_scale_search, moe=args.moe or None)  # fmt: skip
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -259,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--smoothing-alpha", type=float, help="migration strength of --smoothing (default 0.5)")
     d.add_argument("--block-scale-search", action=argparse.BooleanOptionalAction, help="clip NVFP4 weights to their "
                    "minimum-error block scales after calibration (default: the demo's recipe)")  # fmt: skip
+    d.add_argument("--moe", action="store_true", help="run it on a mixture-of-experts model: SmolLM2 upcycled into a "
+                   "Mixtral (4 experts, top 2), policy 'default' (experts NVFP4, routers 16-bit), no smoothing, "
+                   "unified HF export only")  # fmt: skip
     d.set_defaults(fn=_demo)
     e = sub.add_parser("eval", help="evaluate a model, or check a comparison report against the quality gate")
     e.add_argument("--report", help="report.json written by `demo` (variants to compare)")

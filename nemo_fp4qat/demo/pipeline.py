@@ -88,10 +88,20 @@ class DemoConfig:
     # documents of lm-evaluation-harness's next-sentence task (from the held-out book, offline) scored per variant
     # (the report's accuracy column; 4 choices each, about 0.3 s per document on 2 cores); 0: off
     lm_eval_limit: int = 40
+    # the demo on a mixture-of-experts model: SmolLM2 sparsely upcycled into a Mixtral (``demo/upcycle.py``: every
+    # layer's MLP copied into ``moe_experts`` experts, each perturbed by 1%, a router picking 2), with the ``default``
+    # preset (experts NVFP4, routers 16-bit) and no smoothing; the export is a unified HF checkpoint only
+    moe: bool = False
+    moe_experts: int = 4
 
     def __post_init__(self) -> None:
         from ..qat.calibration import CalibrationConfig
         from ..qat.smoothing import SmoothingConfig
+
+        if self.moe:
+            if self.policy in DEMO_POLICIES:  # they name SmolLM2's dense MLP layers
+                self.policy = "default"
+            self.smoothing = None
 
         SmoothingConfig.resolve_spec(self.smoothing)  # refuse a bad spec before the model loads
         self.layer_policy()  # the same for the policy
@@ -182,6 +192,11 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float, details: TextIO) -> in
     log.info("demo config: %s", asdict(cfg))
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     base, tok = load_smollm2()
+    if cfg.moe:
+        from .upcycle import upcycle_llama_to_mixtral
+
+        base = upcycle_llama_to_mixtral(base, num_experts=cfg.moe_experts, top_k=2, noise=0.01, seed=cfg.seed)
+        con.print(f"  the model: SmolLM2-135M upcycled into a Mixtral of {cfg.moe_experts} experts per layer (top 2)")
     train_ids = tok(load_corpus("emma"))["input_ids"]
     val_ids = tok(load_corpus("persuasion"))["input_ids"]
     n_train = cfg.steps * cfg.batch_size
@@ -288,7 +303,7 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float, details: TextIO) -> in
     # Policies say where they deploy: "trtllm" (default) or "pytorch" (MXFP8 attention: this plugin's server only).
     runtime = policy.runtime
     exports: dict[str, str] = {}
-    if runtime == "trtllm":
+    if runtime == "trtllm" and not cfg.moe:  # a TensorRT-LLM checkpoint of an MoE is refused (kind='hf' only)
         trt = export_checkpoint(qat_model, out / "export_trtllm", ExportConfig(kind="trtllm", runtime=runtime,
                                 overwrite=True), tokenizer=tok)  # fmt: skip
         exports["trtllm"] = str(trt)

@@ -22,7 +22,7 @@ from nemo_fp4qat.export import ExportConfig, export_checkpoint
 from nemo_fp4qat.export.runtime_support import SGLANG_QUANT_ALGOS, TRTLLM_QUANT_ALGOS, VLLM_QUANT_ALGOS
 
 from paths import WORKERS
-from tiny_models import calibrated_tiny_llama
+from tiny_models import VOCAB, calibrated_tiny_llama, tiny_moe
 
 pytestmark = [pytest.mark.engines, pytest.mark.core_only]  # core_only: the export is written in the core env
 ENGINES_PYTHON = os.environ.get("NEMO_FP4QAT_ENGINES_PYTHON")
@@ -142,3 +142,38 @@ def test_vllm_and_sglang_load_the_demo_policys_smollm2_export_in_its_trained_for
         assert set(want) <= set(got) and len(got) >= 4 * 30, sorted(set(want) - set(got))[:4]
         assert {p: v["algo"] for p, v in got.items()} == {p: next(iter(want[p])) if p in want else None for p in got}
     assert sglang["dtype"] == "float16" and sglang["quantization"] == "modelopt_mixed"
+
+
+@pytest.mark.skipif(not SGLANG_PYTHON, reason="the SGLang environment: make test-engines")
+@pytest.mark.parametrize("experts", ["nvfp4", "fp8"])
+def test_sglang_loads_each_moe_layer_of_a_qwen3_moe_export_as_one_fused_moe_in_the_experts_format(tmp_path, experts):
+    """A Qwen3-MoE trained with the default policy (experts NVFP4, or FP8 by a YAML-style rule), exported for SGLang:
+    its loader builds one fused MoE layer per ``mlp.experts`` and picks the method of the experts' format (SGLang takes
+    the algorithm of the first expert it finds, which is why a policy with one layer's experts in two formats is
+    refused), the routers and lm_head stay unquantized, attention FP8."""
+    import torch
+
+    from nemo_fp4qat import QATController
+
+    policy = LayerPolicy.preset("default")
+    policy.rules = [r if r.group != "experts" else type(r)(patterns=r.patterns, weight=experts, group="experts")
+                    for r in policy.rules]  # fmt: skip
+    model = tiny_moe("qwen3")
+    ctl = QATController(policy=policy, calibration=4)
+    ctl.prepare(model)
+    g = torch.Generator().manual_seed(0)
+    ctl.calibrate(model, [torch.randint(0, VOCAB, (2, 16), generator=g) for _ in range(2)])
+    out = export_checkpoint(model, tmp_path / "hf", ExportConfig(kind="hf", runtime="sglang"))
+    got = _run_worker(SGLANG_PYTHON, "sglang_parser_worker.py", str(out), str(tmp_path / "sglang.json"))
+    # FP8 experts beside FP8 attention: one format in the whole checkpoint, which modelopt declares as FP8
+    assert got["quantization"] == {"nvfp4": "modelopt_mixed", "fp8": "modelopt_fp8"}[experts], got
+    fmt = {"nvfp4": "NVFP4", "fp8": "FP8"}[experts]
+    method = {"nvfp4": "ModelOptNvFp4FusedMoEMethod", "fp8": "ModelOptFp8MoEMethod"}[experts]
+    want = {}
+    for i in (0, 1):
+        want[f"model.layers.{i}.mlp.experts"] = (method, fmt)
+        want[f"model.layers.{i}.mlp.gate"] = ("UnquantizedLinearMethod", None)
+        for m in ("qkv_proj", "o_proj"):
+            want[f"model.layers.{i}.self_attn.{m}"] = ("ModelOptFp8LinearMethod", "FP8")
+    want["lm_head"] = ("UnquantizedLinearMethod", None)
+    assert {p: (v["method"], v["algo"]) for p, v in got["layers"].items()} == want, got["layers"]

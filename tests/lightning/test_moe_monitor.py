@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import lightning.pytorch as pl
-import torch
 
 from nemo_fp4qat import FP4QATCallback, QuantizationMonitor
 

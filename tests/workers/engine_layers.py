@@ -21,8 +21,19 @@ def engine_linear_prefixes(export_dir: str | Path) -> list[str]:
     shard_to_fused = {s: f for f, shards in LLAMA_PACKED.items() for s in shards}
     out = set()
     for m in modules:
-        if "embed_tokens" in m:
+        if "embed_tokens" in m or ".experts." in m:  # routed experts: one fused MoE layer each (engine_moe_prefixes)
             continue
         head, _, leaf = m.rpartition(".")
         out.add(f"{head}.{shard_to_fused[leaf]}" if leaf in shard_to_fused else m)
+    return sorted(out)
+
+
+def engine_moe_prefixes(export_dir: str | Path) -> list[str]:
+    """The fused MoE layers an engine builds for a unified HF export: one per ``<layer>.experts`` container."""
+    from safetensors import safe_open
+
+    out = set()
+    for f in sorted(Path(export_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            out |= {k.split(".experts.")[0] + ".experts" for k in st.keys() if ".experts." in k}
     return sorted(out)

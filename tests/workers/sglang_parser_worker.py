@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from engine_layers import engine_linear_prefixes
+from engine_layers import engine_linear_prefixes, engine_moe_prefixes
 
 # the linear methods SGLang 0.5.23's ModelOptMixedPrecisionConfig hands out, by the format each runs
 METHOD_FORMAT = {
@@ -23,6 +23,10 @@ METHOD_FORMAT = {
     "ModelOptNvFp4A16LinearMethod": "W4A16_NVFP4",
     "Fp8LinearMethod": "FP8 block / MXFP8",
     "UnquantizedLinearMethod": None,
+    # fused MoE layers (all experts of a layer in one method)
+    "ModelOptNvFp4FusedMoEMethod": "NVFP4",
+    "ModelOptFp8MoEMethod": "FP8",
+    "NoneType": None,
 }
 
 
@@ -35,6 +39,15 @@ def main(export_dir: str, out_json: str, algos_json: str | None = None) -> None:
 
     mc = ModelConfig(model_path=export_dir)
     cfg = _get_quantization_config(mc, LoadConfig())
+    declared = json.loads((Path(export_dir) / "config.json").read_text())["quantization_config"].get("quant_algo")
+
+    def algo_of(prefix: str, method: str) -> str | None:
+        """The per-layer algorithm a mixed-precision config resolves; a single-format config's own for what it
+        quantizes."""
+        if hasattr(cfg, "resolve_quant_algo"):
+            return cfg.resolve_quant_algo(prefix)
+        return None if METHOD_FORMAT.get(method, method) is None else declared
+
     # get_quant_method only asks whether the layer is one of SGLang's linear classes; building a real one needs
     # SGLang's tensor-parallel groups, so an uninitialised instance of its own LinearBase stands in
     layer = LinearBase.__new__(LinearBase)
@@ -42,17 +55,30 @@ def main(export_dir: str, out_json: str, algos_json: str | None = None) -> None:
     for prefix in engine_linear_prefixes(export_dir):
         method = type(cfg.get_quant_method(layer, prefix)).__name__
         layers[prefix] = {"method": method, "format": METHOD_FORMAT.get(method, method),
-                          "algo": cfg.resolve_quant_algo(prefix)}  # fmt: skip
-    probe, table = "model.layers.0.mlp.down_proj", cfg.quantized_layers
+                          "algo": algo_of(prefix, method)}  # fmt: skip
+    from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
+    from sglang.srt.layers.quantization import modelopt_quant
+
+    moe = FusedMoE.__new__(FusedMoE)  # likewise for the fused MoE layer (all of a layer's experts)
+    # the fused MoE methods check for a GPU kernel backend when built (NVFP4: Blackwell, or Marlin on SM80+): here
+    # the question is only which method SGLang picks for the layer, so they are built without that check
+    for name in ("ModelOptNvFp4FusedMoEMethod", "ModelOptFp8MoEMethod"):
+        getattr(modelopt_quant, name).__init__ = lambda self, *a, **k: None
+    for prefix in engine_moe_prefixes(export_dir):
+        method = type(cfg.get_quant_method(moe, prefix)).__name__
+        layers[prefix] = {"method": method, "format": METHOD_FORMAT.get(method, method),
+                          "algo": algo_of(prefix, method)}  # fmt: skip
     methods = {}
-    for algo in json.loads(algos_json) if algos_json else []:
-        cfg.quantized_layers = {probe: {"quant_algo": algo, "group_size": 16}}
-        methods[algo] = type(cfg.get_quant_method(layer, probe)).__name__
-    cfg.quantized_layers = table
+    if algos_json:  # a mixed-precision config, asked per algorithm
+        probe, table = "model.layers.0.mlp.down_proj", cfg.quantized_layers
+        for algo in json.loads(algos_json):
+            cfg.quantized_layers = {probe: {"quant_algo": algo, "group_size": 16}}
+            methods[algo] = type(cfg.get_quant_method(layer, probe)).__name__
+        cfg.quantized_layers = table
     Path(out_json).write_text(json.dumps({
         "sglang": sglang.__version__, "quantization": mc.quantization, "dtype": str(mc.dtype).removeprefix("torch."),
         "config": type(cfg).__name__, "kv_cache_quant_algo": cfg.kv_cache_quant_algo,
-        "exclude_modules": sorted(cfg.exclude_modules), "layers": layers, "methods": methods,
+        "exclude_modules": sorted(getattr(cfg, "exclude_modules", None) or []), "layers": layers, "methods": methods,
     }, indent=1))  # fmt: skip
 
 
