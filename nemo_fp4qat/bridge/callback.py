@@ -78,14 +78,25 @@ def _teacher_file(save_dir: str | Path) -> Path:
         parts += f".tp{ps.get_tensor_model_parallel_rank()}"
     if ps.get_pipeline_model_parallel_world_size() > 1:
         parts += f".pp{ps.get_pipeline_model_parallel_rank()}"
+    if ps.get_expert_model_parallel_world_size() > 1:  # each expert-parallel rank holds other experts
+        parts += f".ep{ps.get_expert_model_parallel_rank()}"
     return Path(save_dir) / TEACHER_FILE.replace(".pt", f"{parts}.pt")
 
 
 def _first_replica() -> bool:
-    """Whether this rank is data-parallel rank 0 (of its tensor-parallel position)."""
+    """Whether this rank is the first of the ranks holding the same part of the model: data-parallel rank 0 (of its
+    tensor-parallel position), or under expert parallelism the first rank of its experts' data-parallel group."""
     from megatron.core import parallel_state
 
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        return parallel_state.get_expert_data_parallel_rank() == 0
     return parallel_state.get_data_parallel_rank() == 0
+
+
+def _calib_file(iter_dir: Path) -> Path:
+    """This rank's calibration batches beside a checkpoint (data-parallel ranks calibrate on different samples, and a
+    resumed run recalibrates at its later switches on the ones it drew)."""
+    return iter_dir / f"nemo_fp4qat_calib.rank{_rank()}.pt"
 
 
 def _save_atomic(obj: Any, path: Path) -> None:
@@ -225,6 +236,14 @@ class FP4QATBridgeCallback(_BridgeCallback):
             model.restore_modelopt_state = True
         hf = getattr(model, "hf_model_id", None)  # set by AutoBridge.to_megatron_provider
         self._default_export = {"kind": "hf", "hf_model": str(hf)} if hf else {"kind": "trtllm"}
+        export = self.config.export or self._default_export
+        kind = export.get("kind") if isinstance(export, dict) else getattr(export, "kind", None)
+        if self.config.export_dir and getattr(model, "num_moe_experts", None) and kind == "trtllm":
+            raise ConfigError(
+                f"export kind 'trtllm' for a mixture-of-experts model ({model.num_moe_experts} experts): a "
+                "TensorRT-LLM checkpoint of an MoE is not written by this plugin. Export a unified HF checkpoint: "
+                "import the model through AutoBridge (its hf_model_id), or export={'kind': 'hf', 'hf_model': ID}."
+            )
         if self.controller.total_steps is None and getattr(cfg.train, "train_iters", None):
             self.controller.total_steps = int(cfg.train.train_iters)
         if not self._installed:
@@ -350,9 +369,11 @@ class FP4QATBridgeCallback(_BridgeCallback):
                 _save_atomic(params, path)
             self._teacher_saved = True
         controller = every_stage(self.controller.state_dict())  # under pipeline parallelism: every stage's
+        iter_dir = Path(get_checkpoint_name(context.state.cfg.checkpoint.save, context.state.train_state.step))
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            _save_atomic(self.controller.calib_batches, _calib_file(iter_dir))
         if _rank() != 0:
             return
-        iter_dir = Path(get_checkpoint_name(context.state.cfg.checkpoint.save, context.state.train_state.step))
         payload = {"controller": controller, "calib_batches": self.controller.calib_batches}
         _save_atomic(payload, iter_dir / STATE_FILE)
 
@@ -373,7 +394,9 @@ class FP4QATBridgeCallback(_BridgeCallback):
             raise ConfigError(f"{path}: {e}") from None
         self.controller.resolve(model)
         self.controller.load_state_dict(stage)
-        self.controller.calib_batches = saved.get("calib_batches", [])
+        mine = _calib_file(path.parent)  # this rank's own batches (rank 0's are in the state file too)
+        self.controller.calib_batches = (torch.load(mine, map_location="cpu", weights_only=False) if mine.is_file()
+                                         else saved.get("calib_batches", []))  # fmt: skip
         self.controller.attach(model)
         if _rank() == 0:
             log.info("nemo_fp4qat: QAT state restored from %s (step %d)", path.parent, step)
@@ -400,6 +423,13 @@ class FP4QATBridgeCallback(_BridgeCallback):
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         provider = at_size_one(copy.copy(self._provider))
+        provider._pre_wrap_hooks = []
+        # Bridge's setup puts the run's training functions on the model config (a gradient finalizer holding process
+        # groups, the optimizer's grad scaler); megatron-core's SequentialMLP deep-copies its config: drop them
+        for name in ("finalize_model_grads_func", "grad_scale_func", "no_sync_func", "grad_sync_func",
+                     "param_sync_func"):  # fmt: skip
+            if hasattr(provider, name):
+                setattr(provider, name, None)
         provider._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         return provider.provide(pre_process=True, post_process=True)
 

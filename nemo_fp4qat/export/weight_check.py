@@ -41,6 +41,17 @@ _MCORE_FROM_HF = [
     (r"model\.layers\.(\d+)\.self_attn\.o_proj", r"decoder.layers.\1.self_attention.linear_proj"),
     (r"model\.layers\.(\d+)\.mlp\.(gate|up)_proj", r"decoder.layers.\1.mlp.linear_fc1"),
     (r"model\.layers\.(\d+)\.mlp\.down_proj", r"decoder.layers.\1.mlp.linear_fc2"),
+    # mixture-of-experts: routed experts (SequentialMLP, one module per expert) and shared experts
+    (
+        r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up)_proj",
+        r"decoder.layers.\1.mlp.experts.local_experts.\2.linear_fc1",
+    ),
+    (
+        r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.down_proj",
+        r"decoder.layers.\1.mlp.experts.local_experts.\2.linear_fc2",
+    ),
+    (r"model\.layers\.(\d+)\.mlp\.shared_experts?\.(gate|up)_proj", r"decoder.layers.\1.mlp.shared_experts.linear_fc1"),
+    (r"model\.layers\.(\d+)\.mlp\.shared_experts?\.down_proj", r"decoder.layers.\1.mlp.shared_experts.linear_fc2"),
 ]
 
 

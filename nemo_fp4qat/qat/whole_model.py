@@ -1,12 +1,13 @@
-"""The whole model of a tensor- or pipeline-parallel megatron-core run, assembled on one rank for the export.
+"""The whole model of a tensor-, pipeline- or expert-parallel megatron-core run, assembled on one rank for the export.
 
 Under tensor parallelism each rank holds a shard of every linear layer (and of the vocabulary); under pipeline
-parallelism a stage of layers. The end-of-training export and its validation need the model as one piece, so
-every rank sends what it trained (weights, quantizer buffers and schedule state, under the whole model's layer
-names) to global rank 0, which builds the same model at tensor and pipeline size 1 from the run's own model
-config and loads the merged tensors into it. Megatron-core can reshard through a distributed checkpoint, but
-that is a collective load on every rank; here only rank 0 holds the result, so the shards are merged by hand,
-with megatron-core's own partition attributes (``tensor_model_parallel``, ``partition_dim``) saying how.
+parallelism a stage of layers; under expert parallelism some of each MoE layer's experts, under local indices. The
+end-of-training export and its validation need the model as one piece, so every rank sends what it trained
+(weights, quantizer buffers and schedule state, under the whole model's layer and expert names) to global rank 0,
+which builds the same model at tensor, pipeline and expert size 1 from the run's own model config and loads the
+merged tensors into it. Megatron-core can reshard through a distributed checkpoint, but that is a collective load
+on every rank; here only rank 0 holds the result, so the shards are merged by hand, with megatron-core's own
+partition attributes (``tensor_model_parallel``, ``partition_dim``) saying how.
 
 While rank 0 builds and exports that model, megatron-core's parallel state and modelopt's distributed helpers
 must describe a run of one process (:func:`alone_on_rank_0`); otherwise layers would be built as shards and
@@ -31,13 +32,34 @@ _ALONE: Any = None  # a process group of global rank 0 alone (gloo), created col
 
 
 def sharded_over_ranks() -> bool:
-    """Whether the run splits the model over ranks (tensor or pipeline parallelism); False without megatron's
-    parallel state."""
+    """Whether the run splits the model over ranks (tensor, pipeline or expert parallelism); False without
+    megatron's parallel state."""
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
         return False
-    return ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size() > 1
+    return ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size() > 1 or (
+        ps.get_expert_model_parallel_world_size() > 1
+    )
+
+
+def _expert_offset(module: nn.Module) -> int:
+    """The global index of this rank's first local expert (0 without expert parallelism)."""
+    from megatron.core import parallel_state as ps
+
+    ep = ps.get_expert_model_parallel_world_size()
+    if ep <= 1:
+        return 0
+    return ps.get_expert_model_parallel_rank() * (int(module.config.num_moe_experts) // ep)
+
+
+def _global_expert_name(name: str, offset: int) -> str:
+    """``...local_experts.<i>...`` under its global expert index (``i + offset``)."""
+    if not offset or ".local_experts." not in name:
+        return name
+    head, tail = name.split(".local_experts.", 1)
+    index, sep, rest = tail.partition(".")
+    return f"{head}.local_experts.{int(index) + offset}{sep}{rest}"
 
 
 def at_size_one(config: Any) -> Any:
@@ -47,23 +69,53 @@ def at_size_one(config: Any) -> Any:
     tp = config.tensor_model_parallel_size or 1
     config.make_vocab_size_divisible_by = config.make_vocab_size_divisible_by * tp
     config.tensor_model_parallel_size = config.pipeline_model_parallel_size = 1
+    if getattr(config, "expert_model_parallel_size", 1) not in (None, 1):
+        config.expert_model_parallel_size = 1
     config.sequence_parallel = False
     return config
 
 
-def _global_controller_state(state: dict[str, Any], offset: int) -> dict[str, Any]:
+def _global_controller_state(state: dict[str, Any], offset: int, expert_offset: int = 0) -> dict[str, Any]:
     out = dict(state)
-    out["current"] = {to_global_name(m, offset): f for m, f in state["current"].items()}
-    out["ramps"] = {to_global_name(q, offset): r for q, r in state["ramps"].items()}
+    out["current"] = {_global_expert_name(to_global_name(m, offset), expert_offset): f
+                      for m, f in state["current"].items()}  # fmt: skip
+    out["ramps"] = {_global_expert_name(to_global_name(q, offset), expert_offset): r
+                    for q, r in state["ramps"].items()}  # fmt: skip
     return out
+
+
+@contextlib.contextmanager
+def _world_of_one() -> Iterator[None]:
+    """The default (world) group as a group of this rank alone: modelopt's megatron exporter barriers and gathers on
+    it unconditionally, which would wait for ranks that are not exporting. Calls naming another group pass through."""
+    import torch.distributed as dist
+
+    saved = {n: getattr(dist, n) for n in ("barrier", "all_gather_object", "get_world_size", "get_rank")}
+
+    def all_gather_object(out: list[Any], obj: Any, group: Any = None) -> None:
+        if group is None:
+            out[0] = obj
+            return
+        saved["all_gather_object"](out, obj, group=group)
+
+    dist.barrier = lambda group=None, *a, **k: None if group is None else saved["barrier"](group, *a, **k)
+    dist.all_gather_object = all_gather_object
+    dist.get_world_size = lambda group=None: 1 if group is None else saved["get_world_size"](group)
+    dist.get_rank = lambda group=None: 0 if group is None else saved["get_rank"](group)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
 
 
 @contextlib.contextmanager
 def alone_on_rank_0() -> Iterator[None]:
     """Inside the block, on global rank 0, modelopt's distributed helpers report one process and megatron-core's
     parallel state holds groups of rank 0 alone (every size 1, every rank 0), so a model built or exported there is
-    whole and talks to no other rank. Restored on exit. megatron-core keeps its parallel state in module globals
-    with no public way to describe another layout for a while, hence the swap."""
+    whole and talks to no other rank, and the default (world) group is one of this rank alone. Restored on exit.
+    megatron-core keeps its parallel state in module globals with no public way to describe another layout for a
+    while, hence the swap."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from modelopt.torch.utils import distributed as mdist
@@ -89,7 +141,8 @@ def alone_on_rank_0() -> Iterator[None]:
     original = mdist.is_initialized
     mdist.is_initialized = lambda: False
     try:
-        yield
+        with _world_of_one() if dist.is_initialized() and dist.get_world_size() > 1 else contextlib.nullcontext():
+            yield
     finally:
         mdist.is_initialized = original
         for name, value in saved.items():
@@ -186,20 +239,31 @@ def gather_whole_model(build_whole: Callable[[], nn.Module], module: nn.Module, 
     from megatron.core import parallel_state as ps
 
     global _ALONE
+    ep = ps.get_expert_model_parallel_world_size()
+    if ep > 1 and ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size() > 1:
+        raise NotImplementedError(
+            "The end-of-training export of a run with expert parallelism together with tensor or pipeline parallelism "
+            "is not assembled on one rank yet (expert parallelism alone, and tensor x pipeline without it, are). "
+            "Export from a checkpoint of the run instead, or train with one of them."
+        )
     if _ALONE is None:
         _ALONE = dist.new_group([0], backend="gloo")  # every rank creates it, only rank 0 is in it
-    offset = stage_layer_offset(module)
+    offset, expert_offset = stage_layer_offset(module), _expert_offset(module)
+    # one copy of each shard: the dense layers from data-parallel rank 0; under expert parallelism each rank holds
+    # other experts, sent (under their global index) by the first rank of each expert's data-parallel group
+    send_dense = ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    send_experts = ps.get_expert_data_parallel_rank() == 0 if ep > 1 else send_dense
     payload = None
-    if ps.get_data_parallel_rank(with_context_parallel=True) == 0:  # one copy of each shard
+    if send_dense or send_experts:
         gated = bool(getattr(module.config, "gated_linear_unit", False))
         payload = {
             "tensors": {
-                to_global_name(k, offset): v.detach().cpu()
+                _global_expert_name(to_global_name(k, offset), expert_offset): v.detach().cpu()
                 for k, v in module.state_dict().items()
-                if isinstance(v, torch.Tensor)
+                if isinstance(v, torch.Tensor) and (send_experts if ".local_experts." in k else send_dense)
             },
             "rules": _partition_rules(module, offset, gated),
-            "controller": _global_controller_state(controller.state_dict(), offset),
+            "controller": _global_controller_state(controller.state_dict(), offset, expert_offset),
             "stage": ps.get_pipeline_model_parallel_rank(),
             "tp_rank": ps.get_tensor_model_parallel_rank(),
         }
@@ -213,8 +277,12 @@ def gather_whole_model(build_whole: Callable[[], nn.Module], module: nn.Module, 
         stages.setdefault(p["stage"], []).append(p)
     tensors: dict[str, torch.Tensor] = {}
     for shards in stages.values():
-        tensors.update(merge_tensor_parallel_shards([s["tensors"] for s in shards], shards[0]["rules"]))
-    firsts = [shards[0] for shards in stages.values()]  # the schedule state is the same on every shard of a stage
+        if ep > 1:  # one stage, one tensor-parallel rank: each payload holds other tensors (dense or experts)
+            for shard in shards:
+                tensors.update(shard["tensors"])
+        else:
+            tensors.update(merge_tensor_parallel_shards([s["tensors"] for s in shards], shards[0]["rules"]))
+    firsts = [shards[0] for shards in stages.values()] if ep == 1 else sent  # a stage's shards share its schedule
     state = dict(firsts[0]["controller"])
     state["current"] = {m: f for p in firsts for m, f in p["controller"]["current"].items()}
     state["ramps"] = {q: r for p in firsts for q, r in p["controller"]["ramps"].items()}

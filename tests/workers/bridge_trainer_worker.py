@@ -9,8 +9,10 @@ steps whose weight error threshold is this value; its report goes to CKPT_DIR/qu
 (tensor_model_parallel_size; when set, the tiny GPT's matrices are drawn whole from a seed per parameter name and
 each rank keeps its shard (the gated fc1's gate and up rows sharded each), so that every TP size starts from the same
 model), ``PP`` (pipeline_model_parallel_size; the matrices drawn by their whole-model names,
-so that every PP size starts from the same model), ``GATED`` (``0``: a plain MLP). A checkpoint in CKPT_DIR is
-resumed. Writes losses per step,
+so that every PP size starts from the same model), ``GATED`` (``0``: a plain MLP). ``MODEL=moe``: the tiny Hugging
+Face Qwen3-MoE in ``HF_DIR`` imported through ``AutoBridge`` (4 experts, top 2, policy ``default``), at expert-parallel
+size ``EP`` (global batch 4 in micro-batches of 2; its expert input amax recorded by global expert name). A
+checkpoint in CKPT_DIR is resumed. Writes losses per step,
 the probe layer's formats per step, and the final amax to OUT_JSON (global rank N > 0: OUT_JSON.rankN).
 """
 
@@ -31,8 +33,10 @@ MONITOR = float(os.environ["MONITOR"]) if os.environ.get("MONITOR") else None
 TP = int(os.environ["TP"]) if os.environ.get("TP") else None
 PP = int(os.environ.get("PP", "1"))
 GATED = os.environ.get("GATED", "1") == "1"  # the tiny GPT's MLP gated (SwiGLU, as Llama's)
-SEQ, VOCAB = (32, 256) if MODEL == "tiny" else (64, 49152)
-LR = 3e-3 if MODEL == "tiny" else 1e-5
+EP = int(os.environ.get("EP", "1"))  # expert_model_parallel_size (MODEL=moe)
+SMALL = MODEL in ("tiny", "moe")
+SEQ, VOCAB = (32, 256) if SMALL else (64, 49152)
+LR = 3e-3 if SMALL else 1e-5
 
 
 def same_model_at_any_tp(chunks):
@@ -113,20 +117,22 @@ if __name__ == "__main__":
             )  # fmt: skip
             if TP is not None or PP > 1:
                 model.register_pre_wrap_hook(same_model_at_any_tp)
-        else:  # the real model, through Bridge's own Hugging Face conversion (weights loaded in a pre-wrap hook)
+        else:  # a Hugging Face model, through Bridge's own conversion (weights loaded in a pre-wrap hook)
             from megatron.bridge import AutoBridge
 
             from nemo_fp4qat.demo.model import smollm2_hf_dir
 
-            model = AutoBridge.from_hf_pretrained(str(smollm2_hf_dir()), dtype=torch.float32).to_megatron_provider(
-                load_weights=True
-            )
+            hf_dir = os.environ["HF_DIR"] if MODEL == "moe" else str(smollm2_hf_dir())
+            model = AutoBridge.from_hf_pretrained(hf_dir, dtype=torch.float32).to_megatron_provider(load_weights=True)
+            if MODEL == "moe":  # SequentialMLP experts (no grouped GEMM) and no fused permutation: both need TE
+                cpu_fields.update(moe_grouped_gemm=False, moe_permute_fusion=False, expert_model_parallel_size=EP,
+                                  moe_token_dispatcher_type="alltoall", autocast_dtype=torch.float32)  # fmt: skip
             for k, v in cpu_fields.items():
                 setattr(model, k, v)
         cfg = ConfigContainer(
             model=model,
-            train=TrainingConfig(train_iters=STEPS, global_batch_size=4 if MODEL == "tiny" else 2,
-                                 micro_batch_size=2 if MODEL == "tiny" else 1, exit_interval=EXIT_AT),
+            train=TrainingConfig(train_iters=STEPS, global_batch_size=4 if SMALL else 2,
+                                 micro_batch_size=2 if SMALL else 1, exit_interval=EXIT_AT),
             validation=ValidationConfig(eval_interval=1000, eval_iters=0),
             optimizer=OptimizerConfig(optimizer="adam", lr=LR, min_lr=LR / 10, weight_decay=0.01, clip_grad=1.0,
                                       bf16=False, fp16=False, params_dtype=torch.float32,
@@ -149,15 +155,17 @@ if __name__ == "__main__":
             dist=DistributedInitConfig(distributed_backend="gloo"),
             mixed_precision=None,
         )  # fmt: skip
+        world = int(os.environ["WORLD_SIZE"])
         qat = FP4QATBridgeCallback(
             QATConfig(
-                policy="fp_embeddings",
+                policy="default" if MODEL == "moe" else "fp_embeddings",
                 schedule={
                     "stages": [{"start": 0, "format": "fp8"}, {"start": SWITCH_AT, "format": "target"}][
                         1 if SWITCH_AT == 0 else 0 :
                     ]
                 },
-                calibration={"num_samples": 4 if MODEL == "tiny" else 2},
+                # the first global batch (MODEL=moe: each data-parallel rank its part of it)
+                calibration={"num_samples": (4 // world if MODEL == "moe" else 4) if SMALL else 2},
                 distillation="qad" if QAD else None,
                 export_dir=EXPORT_DIR,
             )
@@ -170,7 +178,8 @@ if __name__ == "__main__":
                 json.dump(record, f, indent=1)
 
         def fc1(context):
-            return unwrap_model(context.model[0]).decoder.layers[0].mlp.linear_fc1
+            mlp = unwrap_model(context.model[0]).decoder.layers[0].mlp
+            return mlp.experts.local_experts[0].linear_fc1 if MODEL == "moe" else mlp.linear_fc1
 
         class Probe(Callback):
             def on_train_step_end(self, context):
@@ -191,6 +200,15 @@ if __name__ == "__main__":
 
                 record["tp"] = parallel_state.get_tensor_model_parallel_world_size()
                 record["pp"] = parallel_state.get_pipeline_model_parallel_world_size()
+                if MODEL == "moe":  # every expert's input amax, by its global index
+                    from nemo_fp4qat.qat.whole_model import _expert_offset, _global_expert_name
+
+                    module = unwrap_model(context.model[0])
+                    offset = _expert_offset(module)
+                    record["expert_input_amax"] = {
+                        _global_expert_name(n, offset): float(m.input_quantizer.amax)
+                        for n, m in module.named_modules() if ".local_experts." in n and n.endswith("linear_fc1")
+                    }  # fmt: skip
 
         callbacks = [qat, Probe()]
         if MONITOR is not None:
