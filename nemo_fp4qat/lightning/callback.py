@@ -187,7 +187,9 @@ class FP4QATCallback(pl.Callback):
             table = self.controller.resolve(module)
         else:
             table = self.controller.prepare(module)
-        if self.export is not None and self.export.kind == "trtllm":
+        # the end-of-fit export's kind (by default: unified HF for a Hugging Face model, else TensorRT-LLM)
+        kind = self.export.kind if self.export is not None else "hf" if hasattr(module, "save_pretrained") else "trtllm"
+        if self.export_dir and kind == "trtllm":
             from ..export.exporters import refuse_moe_trtllm
 
             refuse_moe_trtllm(module)  # before training, not after it

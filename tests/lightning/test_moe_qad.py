@@ -68,10 +68,15 @@ def test_moe_qad_switches_resumes_bit_for_bit_and_exports_validated(tmp_path):
 
 def test_untied_expert_input_scales_fail_validation_and_a_trtllm_checkpoint_is_refused(tmp_path):
     model = tiny_moe("mixtral")
-    # a run that would end in a TensorRT-LLM checkpoint is refused before it trains
-    trt = FP4QATCallback(policy="default", export_dir=str(tmp_path / "trt"), export={"kind": "trtllm"})
-    with pytest.raises(ExportRefused, match=r"mixture-of-experts model .*Export a unified HF checkpoint \(kind='hf'\)"):
-        _trainer([trt], 2, tmp_path).fit(LitLM(tiny_moe("mixtral")), loader(n=16, batch_size=8))
+    # a run that would end in a TensorRT-LLM checkpoint (asked for, or the default for a module that is not a Hugging
+    # Face model) is refused before it trains
+    for export in ({"kind": "trtllm"}, None):
+        trt = FP4QATCallback(policy="default", export_dir=str(tmp_path / "trt"), export=export)
+        lit = LitLM(tiny_moe("mixtral"))
+        before = {k: v.clone() for k, v in lit.state_dict().items()}
+        with pytest.raises(ExportRefused, match=r"mixture-of-experts model .*unified HF checkpoint \(kind='hf'\)"):
+            _trainer([trt], 2, tmp_path).fit(lit, loader(n=16, batch_size=8))
+        assert all(torch.equal(v, lit.state_dict()[k]) for k, v in before.items() if "quantizer" not in k)
     cb = FP4QATCallback(policy="default", schedule="direct", calibration=16)
     _trainer([cb], 2, tmp_path).fit(LitLM(model), loader(n=16, batch_size=8))
     with pytest.raises(ExportRefused, match=r"mixture-of-experts model .*Export a unified HF checkpoint \(kind='hf'\)"):
