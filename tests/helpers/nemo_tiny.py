@@ -7,10 +7,12 @@ from typing import Any
 
 
 def tiny_gpt(tp: int = 1, devices: int = 1, seq_length: int = 32, pp: int = 1,
-             init_std: float = 0.02) -> tuple[Any, Any]:  # fmt: skip
+             init_std: float = 0.02, ep: int | None = None) -> tuple[Any, Any]:  # fmt: skip
     """(model, data): global batch 2 (micro-batch 1 under pipeline parallelism: two microbatches), 2 layers,
     hidden 64, an untied output layer (as NeMo's Llama configs), dropout off so
-    resumed runs can be compared loss for loss, fusions off (CPU); weights drawn with std ``init_std``."""
+    resumed runs can be compared loss for loss, fusions off (CPU); weights drawn with std ``init_std``.
+    ``ep``: a mixture-of-experts model (4 SequentialMLP experts, top 2, alltoall dispatcher, no load-balancing loss)
+    at that expert-parallel size."""
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig
@@ -26,7 +28,11 @@ def tiny_gpt(tp: int = 1, devices: int = 1, seq_length: int = 32, pp: int = 1,
         masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False,
         share_embeddings_and_output_weights=False,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=4 if ep else None, moe_grouped_gemm=False),
+        **(dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, moe_grouped_gemm=False,
+                moe_permute_fusion=False, moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none",
+                add_bias_linear=False,
+                expert_model_parallel_size=ep) if ep else {}),
     )  # fmt: skip
 
     class ResumableMockDataModule(llm.MockDataModule):

@@ -126,3 +126,32 @@ def test_qad_at_tensor_parallel_2_matches_tp_1_from_the_same_base(tmp_path):
     for step in ("1", "2", "3", "4"):
         assert 0 < one["losses"][step] < 1.0
         assert r0["losses"][step] == pytest.approx(one["losses"][step], rel=1e-5), (step, one["losses"], r0["losses"])
+
+
+@pytest.mark.slow_nemo
+def test_moe_qad_at_expert_parallel_2_matches_one_rank_from_the_same_base(tmp_path):
+    """A mixture-of-experts GPT (4 experts, top 2) through NeMo's trainer: QAD at expert-parallel size 2 (each rank two
+    experts, the teacher the base checkpoint loaded at the run's shape) reports the losses of the EP 1 run from the same
+    base within 1e-5, with every expert's amax equal to the one-rank run's and tied across the experts of a layer."""
+    pytest.importorskip("nemo.collections.llm")
+    base_ckpt = tmp_path / "base"
+    run_worker(tmp_path, "pretrain", "pretrain", str(base_ckpt), steps=4, INIT_STD=0.1, EP=1)
+    env = {"NVFP4_FROM_START": 1, "BLOCK_SEARCH": 0, "INIT_STD": 0.1}
+    one = run_worker(tmp_path, "qad_ep1", "qad", str(base_ckpt), steps=4, EP=1, **env)
+    # EP 2 is data parallel 2: each rank calibrates on its half of the first two global batches (2 samples), which
+    # together are the 4 samples the one-rank run calibrates on
+    r0, r1 = run_worker(tmp_path, "qad_ep2", "qad", str(base_ckpt), steps=4, devices=2, EP=2, CALIB_SAMPLES=2, **env)
+    assert r0["losses"] == r1["losses"]
+    for step in ("1", "2", "3", "4"):
+        assert 0 < one["losses"][step]
+        assert r0["losses"][step] == pytest.approx(one["losses"][step], abs=1e-5), (step, one["losses"], r0["losses"])
+    ep2 = {**r0["global_amax"], **r1["global_amax"]}
+    experts = {n for n in one["global_amax"] if ".local_experts." in n}
+    assert len(experts) == 2 * 4 * 2 * 2 and experts <= ep2.keys()  # layers x experts x fc1/fc2 x weight/input
+    for name in experts:
+        assert ep2[name] == pytest.approx(one["global_amax"][name], rel=1e-6), name
+    for layer in (0, 1):
+        for proj in ("linear_fc1", "linear_fc2"):
+            inputs = {ep2[f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{proj}.input_quantizer"][0]
+                      for e in range(4)}  # fmt: skip
+            assert len(inputs) == 1, (layer, proj, inputs)

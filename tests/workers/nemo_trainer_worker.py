@@ -27,6 +27,7 @@ STEPS = int(os.environ.get("STEPS", "4"))
 DEVICES = int(os.environ.get("DEVICES", "1"))  # > 1: processes on gloo (Lightning launches the others)
 TP = int(os.environ.get("TP", "1"))  # tensor parallel size; data parallel = DEVICES // (TP * PP)
 PP = int(os.environ.get("PP", "1"))  # pipeline parallel size
+EP = int(os.environ["EP"]) if os.environ.get("EP") else None  # set: a mixture-of-experts model at this EP size
 BASE = os.environ.get("BASE")  # a checkpoint to start from (RestoreConfig), as a recipe restores a base model
 EXPORT_DIR = os.environ.get("EXPORT_DIR")  # set: the callback exports a TRT-LLM checkpoint at the end of fit
 # set: a QuantizationMonitor (measuring every 2 steps) watches the run, and at this step an Inf is put into the
@@ -51,7 +52,8 @@ if __name__ == "__main__":
         import torch
         from nemo_tiny import tiny_gpt
 
-        model, data = tiny_gpt(tp=TP, devices=DEVICES, pp=PP, init_std=float(os.environ.get("INIT_STD", "0.02")))
+        model, data = tiny_gpt(tp=TP, devices=DEVICES, pp=PP, init_std=float(os.environ.get("INIT_STD", "0.02")),
+                               ep=EP)  # fmt: skip
         stages = [{"start": 0, "format": "bf16"}, {"start": 1, "format": "target"}] if qad else [
             {"start": 0, "format": "fp8"}, {"start": 2, "format": "target"}]  # fmt: skip
         if NVFP4_FROM_START:
@@ -61,7 +63,10 @@ if __name__ == "__main__":
             schedule={"stages": stages},
             # the block scale search runs at the switch to NVFP4: data-parallel ranks calibrate on different samples
             # and must still clip their replicas alike; the export must still validate code for code
-            calibration={"num_samples": 4, "block_scale_search": os.environ.get("BLOCK_SEARCH", "1") == "1"},
+            calibration={
+                "num_samples": int(os.environ.get("CALIB_SAMPLES", "4")),
+                "block_scale_search": os.environ.get("BLOCK_SEARCH", "1") == "1",
+            },
             export_dir=EXPORT_DIR,
             distillation=True if qad else None,
         )
@@ -69,8 +74,12 @@ if __name__ == "__main__":
         marks: dict[str, list[float]] = {}
         losses: dict[int, float] = {}
 
+        def first_fc1(module):  # layer 0's fc1 (a MoE model's first local expert's)
+            mlp = module.decoder.layers[0].mlp
+            return mlp.experts.local_experts[0].linear_fc1 if EP else mlp.linear_fc1
+
         def fc1_of(pl_module):
-            return megatron_module(pl_module).decoder.layers[0].mlp.linear_fc1
+            return first_fc1(megatron_module(pl_module))
 
         def fingerprint(pl_module):
             w = fc1_of(pl_module).weight.detach().double()
@@ -120,7 +129,7 @@ if __name__ == "__main__":
                         s_logits, t_logits = gather(s_logits), gather(t_logits)
                 p = torch.log_softmax(t_logits, -1)
                 ref = (p.exp() * (p - torch.log_softmax(s_logits, -1))).sum(-1)
-                w = d.teacher.decoder.layers[0].mlp.linear_fc1.weight.detach().double()
+                w = first_fc1(d.teacher).weight.detach().double()
                 marks["qad_check"] = {"kd": kd.flatten().tolist(), "ref": ref.flatten().tolist(),
                                       "logit_diff": float((s_logits - t_logits).abs().max()),
                                       "teacher_fc1": [float(w.sum()), *w.flatten()[:4].tolist()],
@@ -156,7 +165,7 @@ if __name__ == "__main__":
             extra = [monitor, InjectInf()]
         max_steps = STEPS // 2 if mode == "pretrain" else STEPS
         strategy = nl.MegatronStrategy(ckpt_async_save=False, tensor_model_parallel_size=TP,
-                                       pipeline_model_parallel_size=PP)  # fmt: skip
+                                       pipeline_model_parallel_size=PP, expert_model_parallel_size=EP or 1)  # fmt: skip
         trainer = nl.Trainer(accelerator="cpu", devices=DEVICES, max_steps=max_steps, strategy=strategy,
                              plugins=nl.MegatronMixedPrecision(precision="32"), logger=False,
                              callbacks=[Probe()] if mode == "pretrain" else [qat, Probe(), *extra],
@@ -183,8 +192,12 @@ if __name__ == "__main__":
             tp = parallel_state.get_tensor_model_parallel_world_size()
             mm, offset = megatron_module(model), stage_layer_offset(megatron_module(model))
 
-            def global_name(name):  # a stage's local layer index -> the model's
-                return to_global_name(name, offset)
+            from nemo_fp4qat.qat.whole_model import _expert_offset, _global_expert_name
+
+            expert_offset = _expert_offset(mm) if EP else 0
+
+            def global_name(name):  # a stage's local layer index (and a rank's local expert index) -> the model's
+                return _global_expert_name(to_global_name(name, offset), expert_offset)
 
             weights = {global_name(n): p.detach().double().flatten()[:64].tolist() for n, p in mm.named_parameters()}
             json.dump({**marks, "tp": tp, "pp": parallel_state.get_pipeline_model_parallel_world_size(),
