@@ -21,7 +21,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..monitor.analysis import analyze_model
+from ..monitor.experts import ExpertLoad, expert_load_findings
 from ..monitor.findings import Finding, MonitorThresholds, add_finding, check_layer
 from ..monitor.report import summary_table, write_report
 from ..monitor.stages import exchange_findings, merge_stage_records
@@ -81,13 +84,16 @@ class BridgeQuantizationMonitor(_BridgeCallback):
         self._pp = 1  # pipeline stages; > 1: names are the whole model's, findings are exchanged every step
         self._offset = 0  # this stage's first transformer layer
         self._pending: list[tuple[dict[str, Any], str | None]] = []
+        self.expert_load = ExpertLoad()  # tokens per routed expert since the last measurement (MoE models)
 
     def _stage_label(self) -> str:
         return "+".join(sorted({w for w, _ in self.qat.controller.current.values()})) or "static"
 
     def on_train_start(self, context: Any) -> None:
         self._pp = pipeline_world_size()
-        self._offset = stage_layer_offset(_unwrap(context.model)) if self._pp > 1 else 0
+        module = _unwrap(context.model)
+        self._offset = stage_layer_offset(module) if self._pp > 1 else 0
+        self.expert_load.attach(module, {n: to_global_name(n, self._offset) for n, _ in module.named_modules()})
 
     def on_train_step_end(self, context: Any) -> None:
         done = int(context.state.train_state.step) + 1  # Bridge advances its counter after this event
@@ -103,6 +109,7 @@ class BridgeQuantizationMonitor(_BridgeCallback):
     def on_train_end(self, context: Any) -> None:
         step = int(context.state.train_state.step)
         self._measure(context, step, show=True, final=True)
+        self.expert_load.detach()
         self._exchange_findings()
         if self._pp > 1:
             self.records = merge_stage_records(self.records)
@@ -116,8 +123,14 @@ class BridgeQuantizationMonitor(_BridgeCallback):
         for name, rec in layers.items():
             for problem, metric, value, threshold in check_layer(rec, self.thresholds):
                 self._find(step, name, problem, metric, value, threshold)
-        self.records.append({"step": step, "stage": self._stage_label(), "final": final,
-                             "seconds": time.perf_counter() - t0, "layers": layers})  # fmt: skip
+        experts = self._expert_tokens()
+        for finding in expert_load_findings(experts, self.thresholds.min_expert_share):
+            self._find(step, *finding)
+        record = {"step": step, "stage": self._stage_label(), "final": final, "seconds": time.perf_counter() - t0,
+                  "layers": layers}  # fmt: skip
+        if experts:
+            record["expert_tokens"] = experts
+        self.records.append(record)
         writer = getattr(context.state, "tensorboard_logger", None) if _rank() == 0 else None
         if writer is not None:
             for name, rec in layers.items():
@@ -127,6 +140,22 @@ class BridgeQuantizationMonitor(_BridgeCallback):
                         writer.add_scalar(f"quant/{name}/{k}", float(v), step)
         if show and _rank() == 0:
             log.info("%s", summary_table(layers, f"quantization quality at step {step} ({self._stage_label()})"))
+
+    def _expert_tokens(self) -> dict[str, list[int]]:
+        """Tokens each routed expert received since the last measurement, summed over the data-parallel ranks (each
+        routes its own tokens; under expert parallelism every rank's router still scores every expert)."""
+        counts = self.expert_load.counts
+        self.expert_load.reset()
+        if not counts:
+            return {}
+        names = sorted(counts)
+        flat = torch.cat([counts[n] for n in names])
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            from megatron.core import parallel_state as ps
+
+            torch.distributed.all_reduce(flat, group=ps.get_data_parallel_group(with_context_parallel=True))
+        sizes = [len(counts[n]) for n in names]
+        return {n: [int(x) for x in part] for n, part in zip(names, torch.split(flat, sizes), strict=True)}
 
     def _find(self, step: int, layer: str, problem: str, metric: str, value: float, threshold: float) -> None:
         f = add_finding(self.findings, step, layer, problem, metric, value, threshold, self.action)

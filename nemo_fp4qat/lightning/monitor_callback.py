@@ -31,7 +31,7 @@ import torch.nn as nn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from ..monitor.analysis import amax_of, analyze_model, quantized_layers
-from ..monitor.experts import ExpertLoad, starved_experts
+from ..monitor.experts import ExpertLoad, expert_load_findings
 from ..monitor.findings import ACTIONS, Finding, MonitorThresholds, add_finding, check_layer
 from ..monitor.report import summary_table, write_report
 from ..monitor.stages import exchange_findings, merge_stage_records
@@ -308,13 +308,8 @@ class QuantizationMonitor(pl.Callback):
         for router, per_expert in counts.items():
             for i, tokens in enumerate(per_expert):
                 metrics[f"moe/{router}/expert_{i}_tokens"] = float(tokens)
-        for router, expert, tokens, share in starved_experts(counts, self.thresholds.min_expert_share):
-            name = f"{router.rpartition('.')[0]}.experts.{expert}"
-            if tokens == 0:
-                self._find(trainer, step, name, "dead_expert", "tokens", 0.0, 1.0)
-            else:
-                self._find(trainer, step, name, "starved_expert", "share_of_even_load", share,
-                           self.thresholds.min_expert_share)  # fmt: skip
+        for finding in expert_load_findings(counts, self.thresholds.min_expert_share):
+            self._find(trainer, step, *finding)
         return counts
 
     def _check(self, trainer, step: int, name: str, rec: dict[str, Any], th: MonitorThresholds) -> None:

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from ..qat.moe import is_router
 
-__all__ = ["ExpertLoad", "starved_experts"]
+__all__ = ["ExpertLoad", "expert_load_findings", "starved_experts"]
 
 
 class ExpertLoad:
@@ -87,4 +87,17 @@ def starved_experts(counts: dict[str, list[int]], min_share: float) -> list[tupl
         for expert, tokens in enumerate(per_expert):
             if tokens < min_share * even:
                 out.append((router, expert, tokens, tokens / even))
+    return out
+
+
+def expert_load_findings(counts: dict[str, list[int]], min_share: float) -> list[tuple[str, str, str, float, float]]:
+    """``(expert, problem, metric, value, threshold)`` for each dead (no token) or starved expert, the expert named
+    ``<MoE layer>.experts.<global index>`` after its router (what both monitors report)."""
+    out = []
+    for router, expert, tokens, share in starved_experts(counts, min_share):
+        name = f"{router.rpartition('.')[0]}.experts.{expert}"
+        if tokens == 0:
+            out.append((name, "dead_expert", "tokens", 0.0, 1.0))
+        else:
+            out.append((name, "starved_expert", "share_of_even_load", share, min_share))
     return out

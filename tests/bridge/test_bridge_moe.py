@@ -38,7 +38,7 @@ def test_expert_parallel_qad_trains_as_one_rank_and_exports_the_same_checkpoint(
     runs = {}
     for ep in (1, 2):
         runs[ep] = run_bridge_worker(tmp_path, f"ep{ep}", tmp_path / f"ckpt{ep}", nproc=ep, MODEL="moe", EP=ep,
-                                     HF_DIR=hf_moe, QAD=1, STEPS=5, SAVE_INTERVAL=100, SWITCH_AT=2,
+                                     HF_DIR=hf_moe, QAD=1, STEPS=5, SAVE_INTERVAL=100, SWITCH_AT=2, MONITOR=1.0,
                                      EXPORT_DIR=tmp_path / f"export{ep}")  # fmt: skip
     one, two = runs[1], runs[2]
     # the same switch at the same step (each rank switches the experts it holds: 16 linears at EP 1, 8 per EP 2 rank)
@@ -52,6 +52,11 @@ def test_expert_parallel_qad_trains_as_one_rank_and_exports_the_same_checkpoint(
     assert ep2_amax.keys() == one["expert_input_amax"].keys() and len(ep2_amax) == 2 * 4
     for name, value in one["expert_input_amax"].items():
         assert ep2_amax[name] == pytest.approx(value, rel=1e-6), name
+    # the monitor's tokens per expert: EP 2's routers, summed over its ranks, routed what EP 1's did, window by window
+    windows = one["monitor"]["expert_tokens"]
+    assert windows == two["monitor"]["expert_tokens"] and len([w for w in windows if w]) >= 3
+    total = [sum(w["decoder.layers.0.mlp.router"][e] for w in windows if w) for e in range(4)]
+    assert all(t > 0 for t in total) and sum(total) % 2 == 0  # top 2: every token reaches two experts
     # the exports: validated code for code against the trained model, every expert NVFP4, routers 16-bit
     for run in (one, two):
         export = run["export"]

@@ -219,7 +219,8 @@ if __name__ == "__main__":
             record["monitor"] = {"report": str(monitor.report),
                                  "findings": [(f.step, f.problem) for f in monitor.findings],
                                  "finding_layers": sorted({f.layer for f in monitor.findings}),
-                                 "measured": [(r["step"], r["stage"]) for r in monitor.records]}  # fmt: skip
+                                 "measured": [(r["step"], r["stage"]) for r in monitor.records],
+                                 "expert_tokens": [r.get("expert_tokens") for r in monitor.records]}  # fmt: skip
         if EXPORT_DIR and qat.exported is not None:
             from nemo_fp4qat.export.validate import validate_export
 
