@@ -289,6 +289,13 @@ class NeMoFP4QATCallback(FP4QATCallback):
                 rel = rel[len("module.") :]  # NeMo's wrapper prefixes, relative to the megatron module
             if "_quantizer." in rel and rel.rpartition(".")[0] in names:
                 buffers[rel] = torch.empty(meta.global_shape, dtype=meta.dtype)
+            elif "_quantizer." in rel and ".experts.experts." in rel:
+                # a routed expert's buffer: one sharded tensor for all experts of the layer (the expert axis first),
+                # each rank's local experts a slice of it
+                for i in range(len(names.get(rel.split(".experts.experts.")[0] + ".experts.local_experts", []))):
+                    local = rel.replace(".experts.experts.", f".experts.local_experts.{i}.")
+                    if local.rpartition(".")[0] in names:
+                        buffers[local] = torch.empty(meta.global_shape[1:], dtype=meta.dtype)
         super().sync_to_saved(module, saved, buffers)
         rank_zero_info(f"nemo_fp4qat: quantizers matched to {checkpoint_path} before loading it")
         return True

@@ -140,7 +140,9 @@ def test_moe_qad_at_expert_parallel_2_matches_one_rank_from_the_same_base(tmp_pa
     one = run_worker(tmp_path, "qad_ep1", "qad", str(base_ckpt), steps=4, EP=1, **env)
     # EP 2 is data parallel 2: each rank calibrates on its half of the first two global batches (2 samples), which
     # together are the 4 samples the one-rank run calibrates on
-    r0, r1 = run_worker(tmp_path, "qad_ep2", "qad", str(base_ckpt), steps=4, devices=2, EP=2, CALIB_SAMPLES=2, **env)
+    mid = tmp_path / "mid"  # a mid-run checkpoint after step 2
+    r0, r1 = run_worker(tmp_path, "qad_ep2", "qad", str(base_ckpt), str(mid), steps=4, devices=2, EP=2,
+                        CALIB_SAMPLES=2, **env)  # fmt: skip
     assert r0["losses"] == r1["losses"]
     for step in ("1", "2", "3", "4"):
         assert 0 < one["losses"][step]
@@ -155,3 +157,9 @@ def test_moe_qad_at_expert_parallel_2_matches_one_rank_from_the_same_base(tmp_pa
             inputs = {ep2[f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{proj}.input_quantizer"][0]
                       for e in range(4)}  # fmt: skip
             assert len(inputs) == 1, (layer, proj, inputs)
+    # resumed at EP 2 from the mid-run checkpoint (each rank its experts, the teacher found again): the same run
+    s0, s1 = run_worker(tmp_path, "qad_ep2_resumed", "qad_resume", str(base_ckpt), str(mid), steps=4, devices=2, EP=2,
+                        CALIB_SAMPLES=2, **env)  # fmt: skip
+    for step in ("3", "4"):
+        assert s0["losses"][step] == r0["losses"][step], (step, s0["losses"], r0["losses"])
+    assert {**s0["global_amax"], **s1["global_amax"]} == ep2
