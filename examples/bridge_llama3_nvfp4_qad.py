@@ -109,26 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg, qat = llama3_nvfp4_qad(args.size, args.base, args.export_dir, args.data, args.dataset_root,
                                 args.train_iters)  # fmt: skip
-    if args.dryrun:
-        from nemo_fp4qat.bridge import policy_plan
-
-        model = cfg.model
-        print(f"model: {type(model).__name__} layers={model.num_layers} hidden={model.hidden_size} "
-              f"TP={model.tensor_model_parallel_size} PP={model.pipeline_model_parallel_size} "
-              f"CP={model.context_parallel_size} seq={model.seq_length}")  # fmt: skip
-        print(f"start from: {cfg.checkpoint.pretrained_checkpoint}")
-        print(f"train: {cfg.train.train_iters} iters x {cfg.train.global_batch_size} sequences, lr {cfg.optimizer.lr}")
-        print(f"qat: {qat.config}")
-        print(f"policy on the model's modules (every one of its {model.num_layers} layers as layer 0 and 1):")
-        print(policy_plan(model, qat.config.policy).format_table())
-        return 0
-    if not args.base:
+    if not (args.base or args.dryrun):
         parser.error("--base is required to train: QAD starts from the BF16 model (and distils from it)")
-    from megatron.bridge.training.gpt_step import forward_step
-    from megatron.bridge.training.pretrain import pretrain
+    from nemo_fp4qat.bridge import launch
 
-    pretrain(cfg, qat.forward_step(forward_step), callbacks=[qat])
-    return 0
+    return launch(cfg, qat, dryrun=args.dryrun)
 
 
 if __name__ == "__main__":

@@ -67,26 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dryrun", action="store_true", help="build the config, check the policy, do not train")
     args = parser.parse_args(argv)
     cfg, qat = qwen3_moe_nvfp4_qad(args.base, args.export_dir, args.train_iters)
-    if args.dryrun:
-        from nemo_fp4qat.bridge import policy_plan
-
-        m = cfg.model
-        print(f"model: {type(m).__name__} layers={m.num_layers} hidden={m.hidden_size} experts={m.num_moe_experts} "
-              f"top_k={m.moe_router_topk} TP={m.tensor_model_parallel_size} PP={m.pipeline_model_parallel_size} "
-              f"EP={m.expert_model_parallel_size} CP={m.context_parallel_size} seq={m.seq_length}")  # fmt: skip
-        print(f"start from: {cfg.checkpoint.pretrained_checkpoint}")
-        print(f"train: {cfg.train.train_iters} iters x {cfg.train.global_batch_size} sequences, lr {cfg.optimizer.lr}")
-        print(f"qat: {qat.config}")
-        print(f"policy on the model's modules (every one of its {m.num_layers} layers as layer 0 and 1):")
-        print(policy_plan(m, qat.config.policy).format_table())
-        return 0
-    if not args.base:
+    if not (args.base or args.dryrun):
         parser.error("--base is required to train: QAD starts from the BF16 model (and distils from it)")
-    from megatron.bridge.training.gpt_step import forward_step
-    from megatron.bridge.training.pretrain import pretrain
+    from nemo_fp4qat.bridge import launch
 
-    pretrain(cfg, qat.forward_step(forward_step), callbacks=[qat])
-    return 0
+    return launch(cfg, qat, dryrun=args.dryrun)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ install_import_fixes()
 
 from .callback import STATE_FILE, TEACHER_FILE, FP4QATBridgeCallback, bridge_gpt_forward  # noqa: E402
 from .cpu_mode import bridge_cpu_mode, bridge_cpu_mode_active  # noqa: E402
-from .dryrun import policy_plan  # noqa: E402
+from .dryrun import describe_run, launch, policy_plan  # noqa: E402
 from .monitor import BridgeQuantizationMonitor  # noqa: E402
 
 __all__ = [
@@ -22,5 +22,7 @@ __all__ = [
     "bridge_cpu_mode",
     "bridge_cpu_mode_active",
     "bridge_gpt_forward",
+    "describe_run",
+    "launch",
     "policy_plan",
 ]

@@ -18,7 +18,7 @@ import torch
 from ..megatron_cpu import patched
 from ..qat.policy import LayerPolicy, PolicyTable
 
-__all__ = ["policy_plan"]
+__all__ = ["describe_run", "launch", "policy_plan"]
 
 _GPU_FUSIONS = (
     "apply_rope_fusion",
@@ -94,3 +94,36 @@ def policy_plan(provider: Any, policy: str | dict | LayerPolicy, num_layers: int
             stack.enter_context(patched(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", object()))
         model = small.provide(pre_process=True, post_process=True)
     return LayerPolicy.resolve_spec(policy).resolve(model)
+
+
+def describe_run(cfg: Any, qat: Any) -> str:
+    """What a recipe turned QAD run will do, as a dry run prints it: the model and its parallel shape (experts and
+    expert parallelism for an MoE), where it starts, the training budget, the QAT configuration and every layer's
+    format (:func:`policy_plan`). ``cfg``: a Bridge ``ConfigContainer``; ``qat``: its ``FP4QATBridgeCallback``."""
+    m = cfg.model
+    moe = getattr(m, "num_moe_experts", None)
+    experts = f" experts={moe} top_k={m.moe_router_topk}" if moe else ""
+    ep = f" EP={m.expert_model_parallel_size}" if moe else ""
+    return "\n".join([
+        f"model: {type(m).__name__} layers={m.num_layers} hidden={m.hidden_size}{experts} "
+        f"TP={m.tensor_model_parallel_size} PP={m.pipeline_model_parallel_size}{ep} CP={m.context_parallel_size} "
+        f"seq={m.seq_length}",
+        f"start from: {cfg.checkpoint.pretrained_checkpoint}",
+        f"train: {cfg.train.train_iters} iters x {cfg.train.global_batch_size} sequences, lr {cfg.optimizer.lr}",
+        f"qat: {qat.config}",
+        f"policy on the model's modules (every one of its {m.num_layers} layers as layer 0 and 1):",
+        policy_plan(m, qat.config.policy).format_table(),
+    ])  # fmt: skip
+
+
+def launch(cfg: Any, qat: Any, dryrun: bool = False) -> int:
+    """Run a QAD recipe with Bridge's ``pretrain`` (the callback's wrapped GPT forward step), or with ``dryrun`` print
+    :func:`describe_run` instead of training. Returns 0 (a script's exit code)."""
+    if dryrun:
+        print(describe_run(cfg, qat))
+        return 0
+    from megatron.bridge.training.gpt_step import forward_step
+    from megatron.bridge.training.pretrain import pretrain
+
+    pretrain(cfg, qat.forward_step(forward_step), callbacks=[qat])
+    return 0
