@@ -57,7 +57,8 @@ def _offline_hub(home, name, config, owner="meta-llama", commit="0" * 40):
 @pytest.mark.parametrize(
     ("size", "name", "config", "shape"),
     [("8b", "Meta-Llama-3-8B", LLAMA3_8B, "layers=32 hidden=4096 TP=2 PP=1 CP=1 seq=4096"),
-     ("70b", "Meta-Llama-3-70B", LLAMA3_70B, "layers=80 hidden=8192 TP=8 PP=4 CP=1 seq=4096")],
+     pytest.param("70b", "Meta-Llama-3-70B", LLAMA3_70B, "layers=80 hidden=8192 TP=8 PP=4 CP=1 seq=4096",
+                  marks=pytest.mark.slow_bridge)],  # the same code path as 8B: make test-bridge-all
 )  # fmt: skip
 def test_llama3_nvfp4_qad_example_builds_from_bridges_recipe_at_its_shape(tmp_path, size, name, config, shape):
     _offline_hub(tmp_path / "hf", name, config)
