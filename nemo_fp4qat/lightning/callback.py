@@ -49,6 +49,11 @@ def _modelopt_converted(module: nn.Module) -> bool:
     return mto.ModeloptStateManager.is_converted(module)
 
 
+def _default_export_kind(module: nn.Module) -> str:
+    """The end-of-fit export's kind when none is given: unified HF for a Hugging Face model, else TensorRT-LLM."""
+    return "hf" if hasattr(module, "save_pretrained") else "trtllm"
+
+
 class FP4QATCallback(pl.Callback):
     """Quantization-aware training in FP4 (and friends) with layer policies and precision schedules.
 
@@ -188,7 +193,7 @@ class FP4QATCallback(pl.Callback):
         else:
             table = self.controller.prepare(module)
         # the end-of-fit export's kind (by default: unified HF for a Hugging Face model, else TensorRT-LLM)
-        kind = self.export.kind if self.export is not None else "hf" if hasattr(module, "save_pretrained") else "trtllm"
+        kind = self.export.kind if self.export is not None else _default_export_kind(module)
         if self.export_dir and kind == "trtllm":
             from ..export.exporters import refuse_moe_trtllm
 
@@ -383,7 +388,7 @@ class FP4QATCallback(pl.Callback):
 
         module = module if module is not None else self.target_module(pl_module)
         # default: unified HF checkpoint for Hugging Face models, TRT-LLM (qnemo) for megatron-core ones
-        cfg = self.export or self._check_export({"kind": "hf" if hasattr(module, "save_pretrained") else "trtllm"})
+        cfg = self.export or self._check_export({"kind": _default_export_kind(module)})
         path = export_checkpoint(module, out_dir, cfg, tokenizer=getattr(pl_module, "tokenizer", None))
         rank_zero_info(f"nemo_fp4qat: exported to {path}")
         return path

@@ -100,11 +100,9 @@ def _spawn(world: int, tmp_path, tag: str) -> dict:
 
 def _global(name: str, rank: int, per: int = 2) -> str:
     """A local expert's name on an expert-parallel rank -> its name in the one-rank model."""
-    if ".local_experts." not in name:
-        return name
-    head, tail = name.split(".local_experts.")
-    index, rest = tail.split(".", 1)
-    return f"{head}.local_experts.{rank * per + int(index)}.{rest}"
+    from nemo_fp4qat.qat.whole_model import _global_expert_name
+
+    return _global_expert_name(name, rank * per)
 
 
 @pytest.mark.slow
