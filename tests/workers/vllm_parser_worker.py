@@ -56,10 +56,11 @@ def main(export_dir: str, out_json: str) -> None:
         # when built: here the question is only which method vLLM picks, so they are built without that step.
         layer = RoutedExperts.__new__(RoutedExperts)
         layer.moe_config = None
+        def keep_config(self, quant_config=None, moe_config=None):
+            self.quant_config = quant_config
+
         for name in ("ModelOptNvFp4FusedMoE", "ModelOptFp8MoEMethod", "ModelOptMxFp8FusedMoE"):
-            def init(self, quant_config=None, moe_config=None):
-                self.quant_config = quant_config
-            getattr(modelopt, name).__init__ = init
+            getattr(modelopt, name).__init__ = keep_config
         for prefix in moe:
             method = cfg.get_quant_method(layer, prefix)
             sub = getattr(method, "quant_config", None)
