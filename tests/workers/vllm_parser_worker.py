@@ -56,6 +56,7 @@ def main(export_dir: str, out_json: str) -> None:
         # when built: here the question is only which method vLLM picks, so they are built without that step.
         layer = RoutedExperts.__new__(RoutedExperts)
         layer.moe_config = None
+
         def keep_config(self, quant_config=None, moe_config=None):
             self.quant_config = quant_config
 
