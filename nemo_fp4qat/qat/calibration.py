@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from ..specs import ConfigError, from_fields
 from .batches import collect_batches, default_forward, forward_batches
+from .gptq import GPTQConfig, require_gptq
 from .moe import split_expert_name
 from .policy import is_quantizer
 from .scale_levers import ACT_SCALES, WEIGHT_SCALES, check_choice, require_levers
@@ -58,6 +59,9 @@ class CalibrationConfig:
             :mod:`nemo_fp4qat.qat.scale_levers`; all but ``max`` and ``search`` need modelopt >= 0.46.
         act_scale: how NVFP4 activation global scales are set: ``"max"`` or ``"act_headroom"`` (modelopt's
             ``nvfp4_act_headroom``, modelopt >= 0.46).
+        gptq: after the first calibration, round every quantized weight with modelopt's GPTQ on the calibration
+            batches, on the scales ``weight_scale`` set (``True``, or a dict / :class:`~.gptq.GPTQConfig` with
+            ``perc_damp`` and ``block_size``; ``None``: off). Needs modelopt >= 0.47.
     """
 
     num_samples: int = 128
@@ -69,9 +73,18 @@ class CalibrationConfig:
     block_scale_search: bool | float = False
     weight_scale: str = "max"
     act_scale: str = "max"
+    gptq: Any = None
 
     def __post_init__(self) -> None:
         self.smoothing = SmoothingConfig.resolve_spec(self.smoothing)
+        self.gptq = GPTQConfig.resolve_spec(self.gptq)
+        if self.gptq is not None:
+            require_gptq()
+            if self.block_scale_search is not False or self.weight_scale == "search":
+                raise ConfigError(
+                    "calibration gptq and block_scale_search both move NVFP4 weights after calibration; keep one "
+                    "(gptq=None, or block_scale_search=False and weight_scale other than 'search')."
+                )
         check_choice(self.weight_scale, WEIGHT_SCALES, "calibration weight_scale")
         check_choice(self.act_scale, ACT_SCALES, "calibration act_scale")
         if self.weight_scale == "search" and self.block_scale_search is False:

@@ -30,6 +30,11 @@ def check_levers(
     """Refuse combinations of the scale levers this plugin cannot run, naming the fix."""
     if learned is not None:
         require_levers(f"learned_scales={learned.mode!r}")
+        if calibration.gptq is not None:
+            raise ConfigError(
+                f"learned_scales={learned.mode!r} with calibration gptq: GPTQ rounds the weights on the calibrated "
+                "scales, which LSQ then trains apart; use one of them (gptq=None, or learned_scales=None)."
+            )
         if calibration.act_scale != "max":
             raise ConfigError(
                 f"learned_scales={learned.mode!r} with calibration act_scale={calibration.act_scale!r}: modelopt "

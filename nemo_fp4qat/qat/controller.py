@@ -21,6 +21,7 @@ from .block_scale_search import DEFAULT_MIN_RATIO, BlockClip, clip_nvfp4_weights
 from .calibration import CalibrationConfig, default_forward, run_calibration, sync_amax_across_ranks
 from .config import QATConfig, check_levers
 from .fused_siblings import find_fused_siblings, share_fused_amax
+from .gptq import apply_gptq
 from .modelopt_compat import apply_quant_cfg, build_quant_cfg, calibration_algorithm
 from .moe import tie_expert_amax
 from .policy import POLICY_PRESETS, LayerPolicy, PolicyTable, element_bits, is_quantizer
@@ -237,6 +238,8 @@ class QATController:
         self._after_calibration(model)
         if first:  # once per layer and format: a clipped weight searched again would be clipped further
             self._search_block_scales(model, None)
+        if first and self.calibration.gptq is not None:  # once: the rounded weights are what the checkpoint holds
+            apply_gptq(model, self.calib_batches, self.forward_fn, self.calibration.gptq)
         if first and self.learned_scales is not None:
             learned = learned_scale_parameters(model)
             if not learned:

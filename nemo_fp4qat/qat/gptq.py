@@ -1,0 +1,190 @@
+"""GPTQ: weights rounded with second-order error compensation, on the scales calibration set.
+
+modelopt >= 0.47 ships GPTQ (``GPTQCalibConfig``, ported from IST-DASLab's FP-Quant): per linear layer, the
+Hessian of its (quantized) inputs on the calibration batches, then a column-by-column rounding of the weights in
+which each column's rounding error is carried into the columns not yet rounded. The weights it leaves are the
+quantized ones, so QAT / QAD starts on the grid with less output error than round-to-nearest.
+
+modelopt's ``gptq`` algorithm calibrates max scales first and has no option for other weight scales (its own TODO).
+:func:`apply_gptq` runs modelopt's per-layer helper (``GPTQHelper``: Hessian collection, damped inverse, the
+blockwise update) on the quantizers as calibration left them, so GPTQ follows whatever set the scales: max (the
+same result as modelopt's ``gptq``), MSE or local-Hessian block scales (``CalibrationConfig.weight_scale``), and
+the plugin's fused q/k/v and gate/up amax. Under data parallelism each rank's Hessian is averaged over the ranks
+that hold the same weights (weighted by their token counts), so every replica rounds alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..specs import ConfigError, from_fields
+from .batches import forward_batches
+
+__all__ = ["GPTQConfig", "apply_gptq", "require_gptq"]
+
+GPTQ_MODELOPT = "0.47"  # the first modelopt with GPTQ (GPTQCalibConfig, calib_utils.GPTQHelper)
+
+
+@dataclass
+class GPTQConfig:
+    """GPTQ after calibration (``CalibrationConfig.gptq``).
+
+    Attributes:
+        perc_damp: damping added to the Hessian's diagonal, as a fraction of its mean (FP-Quant's 0.01).
+        block_size: columns per GPTQ block (a multiple of the quantization block size; FP-Quant's 128).
+
+    Raises:
+        ConfigError: a damping outside (0, 1] or a block size that is not a positive multiple of 16.
+
+    Example:
+        >>> QATConfig(calibration={"num_samples": 128, "gptq": True}, distillation="qad")  # doctest: +SKIP
+    """
+
+    perc_damp: float = 0.01
+    block_size: int = 128
+
+    def __post_init__(self) -> None:
+        if (
+            isinstance(self.perc_damp, bool)
+            or not isinstance(self.perc_damp, (int, float))
+            or not (0 < self.perc_damp <= 1)
+        ):
+            raise ConfigError(f"gptq perc_damp must be in (0, 1] (e.g. 0.01), got {self.perc_damp!r}.")
+        if (
+            isinstance(self.block_size, bool)
+            or not isinstance(self.block_size, int)
+            or self.block_size < 16
+            or (self.block_size % 16)
+        ):
+            raise ConfigError(
+                f"gptq block_size must be a positive multiple of 16 (NVFP4's block; e.g. 128), got {self.block_size!r}."
+            )
+
+    @classmethod
+    def resolve_spec(cls, spec: Any) -> GPTQConfig | None:
+        if spec is None or spec is False:
+            return None
+        if spec is True:
+            return cls()
+        if isinstance(spec, GPTQConfig):
+            return spec
+        if not (isinstance(spec, dict) or hasattr(spec, "items")):
+            raise ConfigError(
+                f"calibration gptq={spec!r} is not understood; use true, false or a dict of its fields "
+                "(e.g. {'perc_damp': 0.01, 'block_size': 128})."
+            )
+        return from_fields(cls, spec, "calibration gptq")
+
+
+def require_gptq() -> None:
+    """Refuse GPTQ on a modelopt without it, naming the version that has it."""
+    try:
+        from modelopt.torch.quantization.utils.calib_utils import GPTQHelper  # noqa: F401
+    except ImportError:
+        from .modelopt_compat import modelopt_version
+
+        raise ConfigError(
+            f"calibration gptq needs modelopt >= {GPTQ_MODELOPT} (GPTQCalibConfig); modelopt {modelopt_version()} is "
+            "installed (NeMo 2.7.3 pins 0.37). Install nvidia-modelopt>=0.47 or set gptq to false."
+        ) from None
+
+
+def _gptq_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    from modelopt.torch.quantization.utils import is_quantized_linear
+
+    return [
+        (n, m)
+        for n, m in model.named_modules()
+        if is_quantized_linear(m) and m.weight_quantizer.is_enabled and not getattr(m.weight_quantizer, "_lsq", False)
+    ]
+
+
+def _average_hessians(handles: dict[str, Any]) -> None:
+    """Average each layer's Hessian over the ranks that hold the same weights, weighted by token counts."""
+    import torch.distributed as dist
+
+    from .calibration import _data_parallel_group, _expert_data_parallel_group
+    from .moe import split_expert_name
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    dense, experts = _data_parallel_group(), _expert_data_parallel_group()
+    for name in sorted(handles):
+        h = handles[name]
+        group = experts if experts is not None and split_expert_name(name) else dense
+        weighted = h.hessian * float(h.n_samples)
+        count = torch.tensor([float(h.n_samples)], device=weighted.device)
+        dist.all_reduce(weighted, group=group)
+        dist.all_reduce(count, group=group)
+        if count.item() > 0:
+            h.hessian = weighted / count.item()
+            h.n_samples = int(count.item())
+
+
+def apply_gptq(
+    model: nn.Module,
+    batches: list[Any],
+    forward_fn: Callable[[nn.Module, Any], Any],
+    config: GPTQConfig,
+    verbose: bool = False,
+) -> int:
+    """GPTQ-round the weights of every quantized linear of ``model`` (already calibrated) on ``batches``.
+
+    Args:
+        model: a model whose quantizers modelopt calibrated (input amax set; weight scales as calibration left
+            them).
+        batches: the calibration batches the Hessians are collected on.
+        forward_fn: how a batch goes through ``model``.
+        config: damping and block size.
+        verbose: keep modelopt's per-layer error lines on stdout.
+
+    Returns:
+        The number of layers whose weights GPTQ rounded.
+
+    Raises:
+        ConfigError: modelopt < 0.47.
+    """
+    require_gptq()
+    from modelopt.torch.quantization.conversion import set_quantizer_by_cfg_context
+    from modelopt.torch.quantization.utils import enable_weight_access_and_writeback
+    from modelopt.torch.quantization.utils.calib_utils import _GPTQ_HELPER_REGISTRY, GPTQHelper
+
+    layers = _gptq_layers(model)
+    if not layers:
+        return 0
+    t0 = time.time()
+    handles = {}
+    for name, m in layers:
+        cls = _GPTQ_HELPER_REGISTRY.get(getattr(m.weight_quantizer, "backend", None), GPTQHelper)
+        handles[name] = cls(m, name, offload_to_cpu=True, fused=False)
+    for h in handles.values():
+        h.setup()
+    try:  # the Hessians are of the layers' quantized inputs, with every weight in full precision (as modelopt does)
+        with set_quantizer_by_cfg_context(model, [{"quantizer_name": "*weight_quantizer", "enable": False}]):
+            forward_batches(model, batches, forward_fn)
+    finally:
+        for h in handles.values():
+            h.cleanup()
+    _average_hessians(handles)
+    modules = dict(model.named_modules())
+    out = contextlib.nullcontext() if verbose else contextlib.redirect_stdout(io.StringIO())
+    with out, torch.no_grad():
+        for h in handles.values():
+            with enable_weight_access_and_writeback(h.module, model, modules):
+                h.update_weights(config.block_size, config.perc_damp)
+            h.free()
+    import logging
+
+    logging.getLogger("nemo_fp4qat").info(
+        "nemo_fp4qat: GPTQ rounded %d layers in %.1f s (damping %g, block %d)",
+        len(handles), time.time() - t0, config.perc_damp, config.block_size,
+    )  # fmt: skip
+    return len(handles)

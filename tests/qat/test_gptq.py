@@ -1,0 +1,150 @@
+"""GPTQ after calibration (``CalibrationConfig.gptq``): modelopt's own GPTQ is the peer, the layer-output error the
+reference, the export the proof that what was rounded deploys."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from nemo_fp4qat import QATController
+from nemo_fp4qat.export import ExportConfig, export_checkpoint, validate_export
+from nemo_fp4qat.qat.calibration import CalibrationConfig
+from nemo_fp4qat.qat.config import QATConfig
+from nemo_fp4qat.qat.gptq import GPTQConfig, apply_gptq
+from nemo_fp4qat.specs import ConfigError
+
+from tiny_models import VOCAB, tiny_llama
+
+
+def _has_gptq() -> bool:
+    try:
+        from modelopt.torch.quantization.utils.calib_utils import GPTQHelper  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_gptq = pytest.mark.skipif(not _has_gptq(), reason="GPTQ needs modelopt >= 0.47 (core and Bridge environments)")
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    model = tiny_llama(seed=seed, hidden=64)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # off the initialisation, with some outlier input channels, as trained weights have
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def _batches(seed: int = 1, n: int = 4) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (2, 32), generator=g) for _ in range(n)]
+
+
+def _forward(m, b):
+    return m(b)
+
+
+@needs_gptq
+def test_gptq_on_max_scales_rounds_the_weights_as_modelopts_own_gptq_algorithm():
+    """On max-calibrated NVFP4 quantizers, :func:`apply_gptq` gives the weights modelopt's ``gptq`` algorithm gives:
+    the plugin runs modelopt's per-layer helper on the scales calibration left, modelopt calibrates max itself."""
+    import modelopt.torch.quantization as mtq
+
+    batches = _batches()
+    cfg = copy.deepcopy(mtq.NVFP4_DEFAULT_CFG)
+    ours, peer = _model(), _model()
+    before = {n: p.detach().clone() for n, p in ours.named_parameters()}
+
+    def loop(m):
+        for b in batches:
+            m(b)
+
+    mtq.quantize(ours, {**cfg, "algorithm": "max"}, forward_loop=loop)
+    assert apply_gptq(ours, batches, _forward, GPTQConfig()) == 14  # 2 layers x (q, k, v, o, gate, up, down)
+    mtq.quantize(peer, {**cfg, "algorithm": {"method": "gptq", "perc_damp": 0.01, "block_size": 128}},
+                 forward_loop=loop)  # fmt: skip
+    moved = 0
+    for (n, p), (_, q) in zip(ours.named_parameters(), peer.named_parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=n)
+        moved += int(not torch.equal(p, before[n]))
+    assert moved == 14  # every quantized linear's weight, nothing else
+
+
+@needs_gptq
+def test_gptq_lowers_every_layers_output_error_against_round_to_nearest():
+    """The reference: per layer, ``|| X W^T - X Q(W)^T ||`` on the calibration inputs (the layer's quantized input,
+    as GPTQ's Hessian sees it) is lower after GPTQ than with the same scales rounded to nearest."""
+    batches = _batches(n=8)
+    rtn, gptq = _model(), _model()
+    cal = {"num_samples": 16}
+    for m, extra in ((rtn, {}), (gptq, {"gptq": True})):
+        ctl = QATController(policy="default", schedule="direct", calibration={**cal, **extra}, forward_fn=_forward)
+        ctl.prepare(m)
+        ctl.calibrate(m, batches)
+    float_model = _model()
+    inputs: dict[str, list[torch.Tensor]] = {}
+    quantized = [(n, mod) for n, mod in rtn.named_modules()
+                 if hasattr(mod, "weight_quantizer") and mod.weight_quantizer.is_enabled]  # fmt: skip
+    hooks = [mod.register_forward_pre_hook(lambda mod, a, n=n: inputs.setdefault(n, []).append(a[0].detach()))
+             for n, mod in quantized]  # fmt: skip
+    with torch.no_grad():
+        for b in batches:
+            rtn(b)
+    for h in hooks:
+        h.remove()
+    mods = {k: dict(m.named_modules()) for k, m in (("rtn", rtn), ("gptq", gptq), ("float", float_model))}
+    better = 0
+    for name, xs in inputs.items():
+        x = torch.cat([mods["rtn"][name].input_quantizer(t).reshape(-1, t.shape[-1]) for t in xs])
+        ref = x @ mods["float"][name].weight.T
+        err = {}
+        for k in ("rtn", "gptq"):
+            m = mods[k][name]
+            with torch.no_grad():
+                err[k] = float((x @ m.weight_quantizer(m.weight).T - ref).pow(2).mean())
+        assert err["gptq"] < err["rtn"], (name, err)
+        better += 1
+    assert better == 14
+
+
+@needs_gptq
+@pytest.mark.parametrize("weight_scale", ["max", "mse", "local_hessian"])
+def test_a_gptq_start_exports_and_validates_code_for_code(tmp_path, weight_scale):
+    """QAT from a GPTQ start on each kind of NVFP4 weight scale (max: dynamic; MSE and local-Hessian: static block
+    scales that GPTQ rounds on), then the unified HF export: the validator finds the exported codes equal to the
+    trained model's fake quant (the rounded weights are what deploys)."""
+    model = _model()
+    cal = {"num_samples": 8, "gptq": True, "weight_scale": weight_scale}
+    ctl = QATController(policy="default", schedule="direct", calibration=cal, forward_fn=_forward)
+    ctl.prepare(model)
+    ctl.calibrate(model, _batches())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for b in _batches(seed=2, n=2):  # a few QAT steps: the rounded weights move off the grid and back through Q
+        out = model(b, labels=b)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+    out = export_checkpoint(model, tmp_path / "hf", ExportConfig(kind="hf"))
+    report = validate_export(out, model=model)
+    assert report.ok, report.format() if hasattr(report, "format") else report
+
+
+def test_gptq_settings_that_cannot_run_are_refused_by_name(monkeypatch):
+    with pytest.raises(ConfigError, match="block_size must be a positive multiple of 16"):
+        GPTQConfig(block_size=100)
+    with pytest.raises(ConfigError, match="perc_damp"):
+        GPTQConfig(perc_damp=0)
+    with pytest.raises(ConfigError, match="gptq=.* is not understood"):
+        CalibrationConfig(gptq="yes")
+    if _has_gptq():
+        with pytest.raises(ConfigError, match="keep one"):
+            CalibrationConfig(gptq=True, block_scale_search=True)
+        with pytest.raises(ConfigError, match="use one of them"):
+            QATConfig(calibration={"gptq": True}, learned_scales="post")
+        assert CalibrationConfig(gptq={"perc_damp": 0.05}).gptq == GPTQConfig(perc_damp=0.05)
+    else:  # modelopt 0.37 (the nemo environment): refused by name, with the version that has it
+        with pytest.raises(ConfigError, match=r"needs modelopt >= 0\.47"):
+            CalibrationConfig(gptq=True)
