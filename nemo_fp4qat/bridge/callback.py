@@ -46,7 +46,7 @@ from ..qat.batches import collect_batches
 from ..qat.config import QATConfig
 from ..qat.controller import QATController
 from ..qat.distillation import DistillationConfig
-from ..qat.megatron_distillation import MegatronDistiller, freeze, frozen_copy
+from ..qat.megatron_distillation import MegatronDistiller, freeze, frozen_copy, require_megatron_loss
 from ..qat.pipeline_parallel import StagedForward, every_stage, this_stage
 from ..qat.whole_model import alone_on_rank_0, at_size_one, gather_whole_model, sharded_over_ranks
 from ..specs import ConfigError, from_fields
@@ -187,7 +187,14 @@ class FP4QATBridgeCallback(_BridgeCallback):
                 "DDP buffers, and per-block scales of tensor-parallel shards are untested. Use weight_scale='max' or "
                 "'search' here, or train through the Lightning front end."
             )
+        if self.controller.calibration.gptq is not None:
+            raise ConfigError(
+                "calibration gptq is not supported on the Megatron-Bridge front end yet: the Hessians of "
+                "tensor-parallel row shards and of pipeline stages are untested. Set gptq to null here, or train "
+                "through the Lightning front end."
+            )
         self.qad = DistillationConfig.resolve_spec(self.config.distillation)
+        require_megatron_loss(self.qad)
         if self.qad is not None and isinstance(self.qad.teacher, (str, Path)):
             raise ConfigError(
                 f"distillation teacher {str(self.qad.teacher)!r}: the Megatron-Bridge front end takes the teacher as "

@@ -23,6 +23,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from ..lightning.callback import CHECKPOINT_KEY, FP4QATCallback
 from ..qat.distillation import DistillationConfig
+from ..qat.megatron_distillation import require_megatron_loss
 from ..qat.pipeline_parallel import every_stage, pipeline_forward, pipeline_world_size, this_stage
 from ..qat.whole_model import alone_on_rank_0, at_size_one, gather_whole_model, sharded_over_ranks
 
@@ -99,6 +100,7 @@ class NeMoFP4QATCallback(FP4QATCallback):
         kwargs.setdefault("forward_fn", nemo_gpt_forward)
         # QAD is set up at on_train_start, after NeMo has restored the weights, not with the quantizers
         distillation = DistillationConfig.resolve_spec(kwargs.pop("distillation", None))
+        require_megatron_loss(distillation)
         super().__init__(**kwargs)
         self.qad = distillation
         self.qad_teacher_path: str | None = None  # saved with the callback state: a resume rebuilds the teacher

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..specs import ConfigError
 from .distillation import DistillationConfig
 
 __all__ = ["MegatronDistiller", "freeze", "frozen_copy", "quantizers_off"]
@@ -102,6 +103,15 @@ def _staged_teacher(student: nn.Module) -> Any:
     return staged
 
 
+def require_megatron_loss(cfg: DistillationConfig | None) -> None:
+    """Refuse a distillation loss the megatron front ends do not run, naming the one they do."""
+    if cfg is not None and cfg.loss != "kl":
+        raise ConfigError(
+            f"distillation loss {cfg.loss!r} runs on the Lightning / Hugging Face front end; the megatron front ends "
+            "(NeMo 2, Megatron-Bridge) distil with modelopt's LogitsKLLoss: use loss 'kl'."
+        )
+
+
 class MegatronDistiller:
     """Puts ``alpha * T^2 * KL(teacher || student) + (1 - alpha) * CE`` per token in place of the megatron-core
     student's cross entropy (validation forwards, which are not in training mode, keep the cross entropy).
@@ -116,6 +126,7 @@ class MegatronDistiller:
     def __init__(self, student: nn.Module, teacher: nn.Module, cfg: DistillationConfig) -> None:
         from modelopt.torch.distill.plugins.megatron import LogitsKLLoss
 
+        require_megatron_loss(cfg)
         self.cfg = cfg
         self._kl = LogitsKLLoss(student.config, temperature=cfg.temperature)
         self._tp = int(student.config.tensor_model_parallel_size or 1)
