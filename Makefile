@@ -126,6 +126,7 @@ bench-accuracy: $(BENCH_SITE)/.stamp
 	PYTHONPATH=$(BENCH_SITE) $(CORE)/bin/python benchmarks/registry.py run --group accuracy-peers
 	$(CORE)/bin/python benchmarks/registry.py run pareto levers recipe_seeds mc auto_policy qad_tokens demo_qad_lr scale_levers
 	for seed in 1 2; do $(CORE)/bin/python benchmarks/registry.py run auto_policy -- --seed $$seed --only default auto_default; done
+	for seed in 0 1 2; do $(CORE)/bin/python benchmarks/registry.py run qad_levers -- --seed $$seed; done
 	$(CORE)/bin/python benchmarks/run_all.py --only-collect
 
 # Mutation testing (#18): hand-written mutations of the C kernel source (default, about 2 minutes), and mutmut

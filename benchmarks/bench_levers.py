@@ -73,10 +73,10 @@ def qad_row(ft, data, out: Path, policy: str, smoothing: dict | None, search: bo
 
 
 def qad_served(ft, data, out: Path, policy: str, smoothing: dict | None, search: bool, learned_scales=None,
-               **calibration_fields) -> tuple[dict, object]:  # fmt: skip
+               distillation="qad", **calibration_fields) -> tuple[dict, object]:  # fmt: skip
     """:func:`qad_row`'s row and the model it measured: the served checkpoint rebuilt by the serving unpacker
     (the trained model if the export was refused). ``learned_scales`` and further ``CalibrationConfig`` fields
-    (``weight_scale``, ``act_scale``) choose the scale levers."""
+    (``weight_scale``, ``act_scale``, ``gptq``) choose the scale levers; ``distillation`` the QAD loss."""
     from nemo_fp4qat.export import ExportConfig, ExportValidationError, export_checkpoint
     from nemo_fp4qat.export.deployed_model import load_deployed_model
 
@@ -86,7 +86,7 @@ def qad_served(ft, data, out: Path, policy: str, smoothing: dict | None, search:
     calibration = {"num_samples": cfg.calib_samples, "smoothing": smoothing, "block_scale_search": search,
                    **calibration_fields}  # fmt: skip
     cb = FP4QATCallback(policy=policy, schedule="direct", calibration=calibration, calibration_data=data.calib,
-                        forward_fn=lambda x, b: x.net(b), distillation="qad",
+                        forward_fn=lambda x, b: x.net(b), distillation=distillation,
                         learned_scales=learned_scales)  # fmt: skip
     train_lm(m, data.train, cfg, out, [cb], "qad", lr=cfg.qad_lr)
     in_memory = data.ppl(m)

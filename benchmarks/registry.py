@@ -72,6 +72,8 @@ BENCHMARKS = [
               "modelopt's NVFP4 scale levers (mse, local Hessian, 4/6, act headroom, LSQ) vs the demo's recipe",
               ("--render",)),
     Benchmark("mc", "bench_mc.py", "accuracy", ("mc",), "multiple choice with a paired test", ("--render",)),
+    Benchmark("qad_levers", "bench_qad_levers.py", "accuracy", ("qad_levers",),
+              "GPTQ start and distillation losses side by side over seeds, 32k tokens, paired MC", ("--render",)),
     Benchmark("mutation", "run_mutation.py", "mutation", ("mutation",), "mutation testing of the numerics"),
     Benchmark("reliability", "bench_reliability.py", "reliability", ("reliability",),
               "kill/resume at every point, bad configurations, server faults"),

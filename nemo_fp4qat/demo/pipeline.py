@@ -180,8 +180,8 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float, details: TextIO) -> in
     from rich.table import Table
 
     from ..eval.evaluation import evaluate
-    from ..eval.gate import write_report
-    from ..eval.harness import run_lm_eval, write_local_tasks
+    from ..eval.gate import compare_to_finetune, versus_finetune_cells, write_report
+    from ..eval.harness import document_scores, run_lm_eval, write_local_tasks
     from ..lightning.callback import FP4QATCallback
     from ..lightning.monitor_callback import QuantizationMonitor
     from ..qat.controller import QATController
@@ -215,9 +215,11 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float, details: TextIO) -> in
                 slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
                 with _lm_eval_to_file(details):
                     res = run_lm_eval(model, tok, [LM_EVAL_TASK], include_path=tasks, limit=cfg.lm_eval_limit,
-                                      batch_size=8, output=out / "lm_eval" / f"{slug}.json")  # fmt: skip
+                                      batch_size=8, output=out / "lm_eval" / f"{slug}.json",
+                                      log_samples=True)  # fmt: skip
                 scores = res["results"][LM_EVAL_TASK]
                 r["acc"], r["acc_norm"] = scores["acc,none"], scores["acc_norm,none"]
+                r["acc_outcomes"] = [int(x > 0) for x in document_scores(res, LM_EVAL_TASK, "acc")]
         log.info("%s: perplexity %.3f (%.0f tokens/s)%s", name, r["ppl"], r["tokens_per_s"],
                  f", {LM_EVAL_TASK} acc {r['acc']:.3f}" if r.get("acc") is not None else "")  # fmt: skip
         return r
@@ -319,6 +321,7 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float, details: TextIO) -> in
     del deployed
     stage(5, "export, validated (" + " + ".join(exports) + f", runtime {runtime})",
           f"as served: perplexity {variants['qat']['ppl']:.3f}")  # fmt: skip
+    compare_to_finetune(variants)
     report = write_report(
         out,
         variants,
@@ -339,13 +342,20 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float, details: TextIO) -> in
         switches=qat_cb.controller.history,
     )
     table = Table(title="BF16 vs PTQ vs QAT (validation: Persuasion)")
-    for col in ("variant", "perplexity", "lm-eval acc", "tokens/s", "bits/weight", "weights vs bf16"):
+    cols = ("variant", "perplexity", "vs fine-tune, 95% CI", "lm-eval acc", "vs fine-tune, paired", "bits/weight",
+            "weights vs bf16")  # fmt: skip
+    for col in cols:
         table.add_column(col, justify="right" if col != "variant" else "left")
     for name, v in variants.items():
         acc = "-" if v.get("acc") is None else f"{100 * v['acc']:.1f}%"
-        table.add_row(name, f"{v['ppl']:.3f}", acc, f"{v['tokens_per_s']:.0f}", f"{v['bits_per_weight']:.2f}",
+        ppl_vs, acc_vs = versus_finetune_cells(v)
+        table.add_row(name, f"{v['ppl']:.3f}", ppl_vs, acc, acc_vs, f"{v['bits_per_weight']:.2f}",
                       f"{v['weight_ratio_vs_bf16']:.3f}")  # fmt: skip
     con.print(table)
+    n_windows, n_docs = len(variants["bf16_finetuned"].get("window_nll") or []), cfg.lm_eval_limit
+    con.print(f"vs fine-tune: perplexity ratio - 1 with its 95% t interval over the {n_windows} validation windows; "
+              f"accuracy difference with McNemar's exact p over the {n_docs} documents (p >= 0.05: not apart; "
+              "benchmarks/results/qad_levers.md scores 32,768 tokens and 600 tasks)")  # fmt: skip
     rec, gap = report["recovery"], report["gap_to_bf16"]
     con.print(f"QAT = {method}")
     own = report.get("recovery_vs_recipe_ptq")

@@ -52,7 +52,8 @@ def perplexity(
 
     Each window predicts its tokens 1..window-1 from the ones before (the first token of a window
     has no context and is not scored). Returns ``ppl``, ``nll`` (mean per token), ``tokens`` scored,
-    and ``tokens_per_s`` of the forward passes.
+    ``tokens_per_s`` of the forward passes and ``window_nll`` (each window's mean per token, in order: what a
+    paired comparison of two models on the same text needs, :func:`~nemo_fp4qat.eval.paired.paired_perplexity_gap`).
     """
     ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
     n_win = ids.numel() // window
@@ -65,17 +66,20 @@ def perplexity(
     was_training = model.training
     model.eval()
     nll_sum, count = 0.0, 0
+    per_window: list[float] = []
     t = time.perf_counter()
     for i in range(0, n_win, batch_size):
         b = windows[i : i + batch_size].to(device)
         logits = _logits(model, b)[:, :-1].float()
-        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), b[:, 1:].reshape(-1), reduction="sum")
-        nll_sum += float(nll)
+        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), b[:, 1:].reshape(-1), reduction="none")
+        per_window += nll.view(b.shape[0], -1).double().mean(1).tolist()
+        nll_sum += float(nll.sum())
         count += b[:, 1:].numel()
     dt = time.perf_counter() - t
     model.train(was_training)
     mean = nll_sum / count
-    return {"ppl": math.exp(mean), "nll": mean, "tokens": count, "tokens_per_s": n_win * window / dt}
+    return {"ppl": math.exp(mean), "nll": mean, "tokens": count, "tokens_per_s": n_win * window / dt,
+            "window_nll": per_window}  # fmt: skip
 
 
 def load_mc_tasks(path: str | Path) -> list[dict[str, Any]]:
@@ -245,6 +249,7 @@ class EvalResult:
     bits_per_weight: float
     acc: float | None = None
     acc_norm: float | None = None
+    window_nll: list[float] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -279,4 +284,5 @@ def evaluate(
         bits_per_weight=mem["bits_per_weight"],
         acc=acc.get("acc"),
         acc_norm=acc.get("acc_norm"),
+        window_nll=p["window_nll"],
     )

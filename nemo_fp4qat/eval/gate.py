@@ -14,7 +14,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GateResult", "QualityGate", "recovery", "write_report"]
+__all__ = ["GateResult", "QualityGate", "compare_to_finetune", "recovery", "versus_finetune_cells", "write_report"]
+
+REFERENCE = "bf16_finetuned"
 
 
 def recovery(ppl_ptq: float, ppl_qat: float, ppl_baseline: float) -> float:
@@ -105,16 +107,54 @@ class QualityGate:
         return GateResult(passed=not failures, failures=failures, checks=checks)
 
 
+def compare_to_finetune(variants: dict[str, dict[str, Any]], reference: str = REFERENCE) -> None:
+    """Add to every other variant ``vs_finetuned``: its perplexity against ``reference``'s on the same windows
+    (``ppl``: the ratio - 1 with its 95% t interval, :func:`~.paired.paired_perplexity_gap`) and its accuracy on the
+    same documents (``acc``: :func:`~.paired.paired_difference`), where both were measured per window / document
+    (``window_nll``, ``acc_outcomes``)."""
+    from .paired import paired_difference, paired_perplexity_gap
+
+    ref = variants.get(reference)
+    if ref is None:
+        return
+    for name, v in variants.items():
+        if name == reference:
+            continue
+        vs: dict[str, Any] = {}
+        if v.get("window_nll") and ref.get("window_nll") and len(v["window_nll"]) > 1:
+            vs["ppl"] = paired_perplexity_gap(v["window_nll"], ref["window_nll"]).as_dict()
+        if v.get("acc_outcomes") and ref.get("acc_outcomes"):
+            vs["acc"] = paired_difference(v["acc_outcomes"], ref["acc_outcomes"]).as_dict()
+        if vs:
+            v["vs_finetuned"] = vs
+
+
+def versus_finetune_cells(v: dict[str, Any]) -> tuple[str, str]:
+    """The two table cells of :func:`compare_to_finetune`'s comparison: ``+10.7% [+6.1, +15.5]`` (perplexity) and
+    ``-7.5 pts, p 0.45`` (accuracy); ``-`` where it was not measured."""
+    vs = v.get("vs_finetuned") or {}
+    ppl = acc = "-"
+    if "ppl" in vs:
+        g = vs["ppl"]
+        ppl = f"{100 * g['gap']:+.1f}% [{100 * g['low']:+.1f}, {100 * g['high']:+.1f}]"
+    if "acc" in vs:
+        a = vs["acc"]
+        acc = f"{100 * a['diff']:+.1f} pts, p {a['p_value']:.2g}"
+    return ppl, acc
+
+
 def _table(variants: dict[str, dict[str, Any]]) -> list[str]:
     rows = [
-        "| variant | perplexity | accuracy | tokens/s | bits/weight | weights vs bf16 |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| variant | perplexity | vs fine-tune (95% CI) | accuracy | vs fine-tune (paired) | tokens/s | bits/weight | "
+        "weights vs bf16 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, v in variants.items():
         acc = "-" if v.get("acc") is None else f"{100 * v['acc']:.1f}%"
+        ppl_vs, acc_vs = versus_finetune_cells(v)
         rows.append(
-            f"| {name} | {v['ppl']:.3f} | {acc} | {v['tokens_per_s']:.0f} | {v['bits_per_weight']:.2f} | "
-            f"{v['weight_ratio_vs_bf16']:.3f} |"
+            f"| {name} | {v['ppl']:.3f} | {ppl_vs} | {acc} | {acc_vs} | {v['tokens_per_s']:.0f} | "
+            f"{v['bits_per_weight']:.2f} | {v['weight_ratio_vs_bf16']:.3f} |"
         )
     return rows
 

@@ -6,6 +6,10 @@ independent standard errors of two accuracies (``sqrt(p (1 - p) / n)`` each, ~0.
 overstate the uncertainty of their difference, so rows a table claims apart are compared per task:
 the mean of the per-task differences with its standard error, and McNemar's exact test on the
 disagreeing tasks (scipy's binomial test: under "no difference" each disagreement is a fair coin).
+
+Perplexities on the same text are compared the same way, window by window: with every window scoring the same
+number of tokens, ``ppl_a / ppl_b = exp(mean_i(nll_a_i - nll_b_i))``, so the per-window differences of mean
+negative log-likelihood give the ratio and a t interval for it (:func:`paired_perplexity_gap`).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-__all__ = ["PairedDifference", "paired_difference"]
+__all__ = ["PairedDifference", "PairedGap", "paired_difference", "paired_perplexity_gap"]
 
 
 @dataclass(frozen=True)
@@ -72,3 +76,42 @@ def paired_difference(a: Sequence[bool | int], b: Sequence[bool | int]) -> Paire
         only_b=only_b,
         p_value=float(p),
     )
+
+
+@dataclass(frozen=True)
+class PairedGap:
+    """Perplexity ``a`` over perplexity ``b`` minus 1, on the same ``n`` windows of text.
+
+    Attributes:
+        n: windows compared.
+        gap: ``ppl_a / ppl_b - 1``.
+        low, high: the two-sided t interval of ``gap`` at ``confidence`` (from the per-window differences).
+        confidence: the interval's level.
+    """
+
+    n: int
+    gap: float
+    low: float
+    high: float
+    confidence: float
+
+    def as_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+
+def paired_perplexity_gap(a: Sequence[float], b: Sequence[float], confidence: float = 0.95) -> PairedGap:
+    """Compare per-window mean negative log-likelihoods ``a`` and ``b`` (same windows, same order, each window the
+    same number of tokens; :func:`~nemo_fp4qat.eval.evaluation.perplexity`'s ``window_nll``)."""
+    if len(a) != len(b):
+        raise ValueError(f"paired perplexity needs the same windows: got {len(a)} and {len(b)}")
+    if len(a) < 2:
+        raise ValueError("paired perplexity needs at least two windows for an interval")
+    from scipy.stats import t as student_t  # lazy: only the evaluation path needs scipy
+
+    n = len(a)
+    d = [x - y for x, y in zip(a, b, strict=True)]
+    mean = sum(d) / n
+    se = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n)
+    half = float(student_t.ppf(0.5 + confidence / 2, n - 1)) * se
+    return PairedGap(n=n, gap=math.expm1(mean), low=math.expm1(mean - half), high=math.expm1(mean + half),
+                     confidence=confidence)  # fmt: skip

@@ -43,6 +43,14 @@ def test_demo_prints_five_stages_and_writes_the_details_to_files(tmp_path):
     # every variant scored by lm-evaluation-harness too (the shipped next-sentence task), its results JSON written
     assert all(0 <= v["acc"] <= 1 for v in report["variants"].values()), report["variants"]  # QAT: as deployed
     assert report["lm_eval"]["task"] == "fp4qat_next_sentence"
+    # each row against the fine-tune on the same windows and documents: the gap's interval brackets the table's gap,
+    # the accuracy difference is the paired one over the scored documents
+    qat, ft = report["variants"]["qat"], report["variants"]["bf16_finetuned"]
+    vs = qat["vs_finetuned"]
+    assert vs["ppl"]["low"] < vs["ppl"]["gap"] < vs["ppl"]["high"]
+    assert vs["ppl"]["gap"] == pytest.approx(report["gap_to_bf16"], rel=1e-3)
+    assert vs["acc"]["n"] == len(ft["acc_outcomes"]) and vs["acc"]["diff"] == pytest.approx(qat["acc"] - ft["acc"])
+    assert "vs fine-tune" in res.stdout
     scored = [json.loads(p.read_text()) for p in (out / "lm_eval").glob("*.json")]
     assert len(scored) >= len(report["variants"]) and all("fp4qat_next_sentence" in r["results"] for r in scored)
     for export in ("export", "export_trtllm"):

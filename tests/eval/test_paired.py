@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from nemo_fp4qat.eval.paired import paired_difference
+from nemo_fp4qat.eval.paired import paired_difference, paired_perplexity_gap
 
 # core environment only: evaluation reads models through the plugin's own code, tested once
 pytestmark = pytest.mark.core_only
@@ -76,3 +76,26 @@ def test_paired_difference_refuses_unpaired_outcomes():
     with pytest.raises(ValueError) as e:
         paired_difference([], [])
     assert str(e.value) == "paired comparison needs at least one task"
+
+
+def test_paired_perplexity_gap_is_the_perplexity_ratio_with_scipys_t_interval():
+    """Two models' perplexities on the same windows: the gap is exactly ppl_a / ppl_b - 1 (``perplexity``'s own
+    figures) and the interval is scipy's t interval of the per-window differences, mapped through exp."""
+    import numpy as np
+    import torch
+    from scipy import stats
+
+    from nemo_fp4qat.eval.evaluation import perplexity
+
+    from tiny_models import VOCAB, tiny_llama
+
+    ids = torch.randint(0, VOCAB, (10 * 32,), generator=torch.Generator().manual_seed(0))
+    a, b = perplexity(tiny_llama(seed=1), ids, window=32), perplexity(tiny_llama(seed=2), ids, window=32)
+    assert len(a["window_nll"]) == 10 and math.exp(sum(a["window_nll"]) / 10) == pytest.approx(a["ppl"], rel=1e-6)
+    g = paired_perplexity_gap(a["window_nll"], b["window_nll"])
+    assert g.gap == pytest.approx(a["ppl"] / b["ppl"] - 1, rel=1e-4)  # float32 sums vs float64 means
+    d = np.array(a["window_nll"]) - np.array(b["window_nll"])
+    lo, hi = stats.t.interval(0.95, len(d) - 1, loc=d.mean(), scale=stats.sem(d))
+    assert (g.low, g.high) == pytest.approx((math.expm1(lo), math.expm1(hi)), rel=1e-9)
+    with pytest.raises(ValueError, match="same windows"):
+        paired_perplexity_gap([1.0, 2.0], [1.0])
