@@ -13,7 +13,7 @@ different 200 for each seed (600 distinct tasks over 3 seeds). Rows:
 Multiple choice is compared task by task against the BF16 fine-tune and against max PTQ
 (:func:`nemo_fp4qat.eval.paired.paired_difference`), each seed's tasks pooled over the seeds measured.
 
-Run: ``.venv-core/bin/python benchmarks/bench_qad_levers.py --seed 0 [--rows ...] [--quick]``; each seed's rows are
+Run: ``.venv-core/bin/python benchmarks/bench_qad_levers.py --seed 0 [--rows ...] [--mc ...] [--quick]``; each seed's rows are
 merged into ``benchmarks/results/qad_levers.{json,md}`` as they finish (kept when the seed's fine-tune reproduces).
 About 35 minutes per seed on 2 cores (the loss rows: 5 minutes each).
 """
@@ -79,6 +79,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rows", nargs="+", choices=list(ROWS), help="only these rows (the fine-tune always)")
+    ap.add_argument("--mc", nargs="+", choices=[FT, *ROWS], help=f"score multiple choice on these rows only "
+                    f"(default: {', '.join(MC_ROWS)})")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="a smoke run of the whole script")
     ap.add_argument("--render", action="store_true", help="only rewrite qad_levers.md from qad_levers.json")
     args = ap.parse_args()
@@ -102,8 +104,10 @@ def main() -> None:
         run = {"rows": {}}
     result["seeds"][str(cfg.seed)] = run
 
+    mc_rows = args.mc or MC_ROWS
+
     def score(name: str, model, row: dict) -> None:
-        if name in MC_ROWS:
+        if name in mc_rows:
             t0 = time.time()
             slug = "".join(c if c.isalnum() else "_" for c in name.lower())
             res = run_lm_eval(model, data.tok, ["fp4qat_next_sentence"], include_path=tasks_dir, batch_size=8,

@@ -48,13 +48,20 @@ def _forward(m, b):
 
 
 @needs_gptq
-def test_gptq_on_max_scales_rounds_the_weights_as_modelopts_own_gptq_algorithm():
-    """On max-calibrated NVFP4 quantizers, :func:`apply_gptq` gives the weights modelopt's ``gptq`` algorithm gives:
-    the plugin runs modelopt's per-layer helper on the scales calibration left, modelopt calibrates max itself."""
+@pytest.mark.parametrize("fmt", ["NVFP4_DEFAULT_CFG", "FP8_DEFAULT_CFG", "MXFP8_DEFAULT_CFG", "INT8_WEIGHT_ONLY_CFG"])
+def test_gptq_on_max_scales_rounds_the_weights_as_modelopts_own_gptq_algorithm(fmt, monkeypatch):
+    """On max-calibrated quantizers of each format, :func:`apply_gptq` gives the weights modelopt's ``gptq`` algorithm
+    gives: the plugin runs modelopt's per-layer helper on the scales calibration left (quantizing only each GPTQ
+    block's columns, which these formats allow), modelopt calibrates max itself and quantizes the whole matrix."""
     import modelopt.torch.quantization as mtq
 
+    import nemo_fp4qat.qat.gptq as gptq_module
+
+    sliced = []
+    alike = gptq_module._slices_alike
+    monkeypatch.setattr(gptq_module, "_slices_alike", lambda q, b: sliced.append(alike(q, b)) or sliced[-1])
     batches = _batches()
-    cfg = copy.deepcopy(mtq.NVFP4_DEFAULT_CFG)
+    cfg = copy.deepcopy(getattr(mtq, fmt))
     ours, peer = _model(), _model()
     before = {n: p.detach().clone() for n, p in ours.named_parameters()}
 
@@ -71,6 +78,7 @@ def test_gptq_on_max_scales_rounds_the_weights_as_modelopts_own_gptq_algorithm()
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=n)
         moved += int(not torch.equal(p, before[n]))
     assert moved == 14  # every quantized linear's weight, nothing else
+    assert sliced == [True] * 14  # the block-slice update ran on every layer
 
 
 @needs_gptq
