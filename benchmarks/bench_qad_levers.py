@@ -13,9 +13,10 @@ different 200 for each seed (600 distinct tasks over 3 seeds). Rows:
 Multiple choice is compared task by task against the BF16 fine-tune and against max PTQ
 (:func:`nemo_fp4qat.eval.paired.paired_difference`), each seed's tasks pooled over the seeds measured.
 
-Run: ``.venv-core/bin/python benchmarks/bench_qad_levers.py --seed 0 [--rows ...] [--mc ...] [--quick]``; each seed's rows are
-merged into ``benchmarks/results/qad_levers.{json,md}`` as they finish (kept when the seed's fine-tune reproduces).
-About 35 minutes per seed on 2 cores (the loss rows: 5 minutes each).
+Run: ``.venv-core/bin/python benchmarks/bench_qad_levers.py --seed 0 [--rows ...] [--mc ...] [--quick]``; each
+seed's rows are merged into ``benchmarks/results/qad_levers.{json,md}`` as they finish (kept when the seed's
+fine-tune reproduces). On 2 cores: about 7 minutes per multiple-choice row, 2 per perplexity, 2 per QAD and per
+GPTQ.
 """
 
 from __future__ import annotations
