@@ -115,3 +115,16 @@ def test_calibrated_and_learned_weight_scales_are_refused_on_bridge_by_name():
         with pytest.raises(ConfigError, match="not supported on the Megatron-Bridge front end yet.*weight_scale='max'"):
             FP4QATBridgeCallback(cfg)
     FP4QATBridgeCallback(QATConfig(calibration={"weight_scale": "search"}))  # the plugin's own search stays
+
+
+def test_gptq_and_distillation_losses_but_kl_are_refused_on_bridge_by_name():
+    from nemo_fp4qat import QATConfig
+    from nemo_fp4qat.bridge import FP4QATBridgeCallback
+    from nemo_fp4qat.specs import ConfigError
+
+    with pytest.raises(ConfigError, match="calibration gptq is not supported on the Megatron-Bridge front end yet"):
+        FP4QATBridgeCallback(QATConfig(calibration={"gptq": True}))
+    for loss in ("jsd", "kl_mse"):
+        with pytest.raises(ConfigError, match=f"distillation loss '{loss}' runs on the Lightning"):
+            FP4QATBridgeCallback(QATConfig(distillation={"loss": loss}))
+    FP4QATBridgeCallback(QATConfig(distillation={"loss": "kl"}))

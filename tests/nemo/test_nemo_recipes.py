@@ -29,3 +29,13 @@ def test_recipe_gets_the_callback_and_builds(tmp_path):
     mon = [c for c in trainer.callbacks if isinstance(c, QuantizationMonitor)]
     assert len(qat) == 1 and len(mon) == 1 and mon[0].every_n_steps == 25
     assert qat[0].controller.policy.name == "trtllm_mixed" and qat[0].controller.calibration.num_samples == 128
+
+
+def test_a_distillation_loss_but_kl_is_refused_by_the_nemo_callback_by_name():
+    pytest.importorskip("nemo.collections.llm")
+    from nemo_fp4qat.nemo import NeMoFP4QATCallback
+    from nemo_fp4qat.specs import ConfigError
+
+    with pytest.raises(ConfigError, match="distillation loss 'jsd' runs on the Lightning"):
+        NeMoFP4QATCallback(policy="default", distillation={"loss": "jsd"})
+    assert NeMoFP4QATCallback(policy="default", distillation={"loss": "kl"}).qad.loss == "kl"
