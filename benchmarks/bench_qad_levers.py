@@ -191,15 +191,16 @@ def render(d: dict) -> str:
                 f"{'-' if rec_own is None else f'{rec_own:.3f}'} | {acc} |"
             )
     if len(seeds) > 1:
-        lines += ["", f"Over {len(seeds)} seeds (mean +- sd; rows measured on every seed):", "",
+        lines += ["", f"Over {len(seeds)} seeds (mean +- sd; a row measured on fewer seeds shows its values):", "",
                   "| row | gap | recovery (max PTQ) | recovery (own PTQ) |", "|---|---:|---:|---:|"]  # fmt: skip
 
         def ms(v: list[float], pct: bool = False) -> str:
-            if len(v) != len(seeds):
+            if not v:
                 return "-"
-            if pct:
-                return f"{100 * statistics.mean(v):.1f}% +- {100 * statistics.stdev(v):.1f}"
-            return f"{statistics.mean(v):.3f} +- {statistics.stdev(v):.3f}"
+            k, unit, digits = (100, "%", 1) if pct else (1, "", 3)
+            if len(v) < len(seeds):  # a row measured on fewer seeds: its value(s), not a spread
+                return ", ".join(f"{k * x:.{digits}f}{unit}" for x in v) + f" ({len(v)} of {len(seeds)} seeds)"
+            return f"{k * statistics.mean(v):.{digits}f}{unit} +- {k * statistics.stdev(v):.{digits}f}"
 
         for name, st in stats.items():
             if name == FT:
