@@ -51,3 +51,22 @@ def from_fields(cls: type[T], spec: Any, what: str) -> T:
         listed = ", ".join(f"{k!r}{did_you_mean(k, names)}" for k in unknown)
         raise ConfigError(f"Unknown {what} field(s) {listed}; {cls.__name__} has: {', '.join(names)}.")
     return cls(**given)
+
+
+def optional_spec(cls: type[T], spec: Any, what: str, hint: str) -> T | None:
+    """The optional config ``spec`` names: ``None`` / ``False`` is off, ``True`` the defaults, a ``cls`` itself, or a
+    mapping of its fields (:func:`from_fields`). Each config's own shorthands (an alpha, a mode name) are resolved
+    by its ``resolve_spec`` before it calls this.
+
+    Raises:
+        ConfigError: anything else, as ``"{what}={spec!r} is not understood; {hint}"``.
+    """
+    if spec is None or spec is False:
+        return None
+    if spec is True:
+        return cls()
+    if isinstance(spec, cls):
+        return spec
+    if not (isinstance(spec, dict) or hasattr(spec, "items")):
+        raise ConfigError(f"{what}={spec!r} is not understood; {hint}")
+    return from_fields(cls, spec, what)

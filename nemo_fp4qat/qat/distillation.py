@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..specs import ConfigError, from_fields
+from ..specs import ConfigError, optional_spec
 
 __all__ = ["DISTILLATION_LOSSES", "DistillationConfig", "Distiller", "is_nemo_checkpoint", "kd_loss", "kd_per_token"]
 
@@ -89,18 +89,11 @@ class DistillationConfig:
 
     @classmethod
     def resolve_spec(cls, spec: Any) -> DistillationConfig | None:
-        if spec is None or spec is False:
-            return None
-        if spec is True or spec == "qad":
+        if spec == "qad":
             return cls()  # KL only at T=1, the workflow NVIDIA's QAD report recommends
-        if isinstance(spec, DistillationConfig):
-            return spec
-        if not (isinstance(spec, dict) or hasattr(spec, "items")):
-            raise ConfigError(
-                f"distillation={spec!r} is not understood; use True or 'qad' (KL only, T=1), a dict of "
-                "DistillationConfig fields (alpha, temperature, teacher, loss) or a DistillationConfig."
-            )
-        return from_fields(cls, spec, "distillation")
+        hint = ("use True or 'qad' (KL only, T=1), a dict of DistillationConfig fields (alpha, temperature, teacher, "
+                "loss) or a DistillationConfig.")  # fmt: skip
+        return optional_spec(cls, spec, "distillation", hint)
 
 
 def _logits(out: Any) -> torch.Tensor:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..specs import ConfigError, from_fields
+from ..specs import ConfigError, optional_spec
 from .batches import forward_batches
 
 __all__ = ["GPTQConfig", "apply_gptq", "require_gptq"]
@@ -77,18 +77,8 @@ class GPTQConfig:
 
     @classmethod
     def resolve_spec(cls, spec: Any) -> GPTQConfig | None:
-        if spec is None or spec is False:
-            return None
-        if spec is True:
-            return cls()
-        if isinstance(spec, GPTQConfig):
-            return spec
-        if not (isinstance(spec, dict) or hasattr(spec, "items")):
-            raise ConfigError(
-                f"calibration gptq={spec!r} is not understood; use true, false or a dict of its fields "
-                "(e.g. {'perc_damp': 0.01, 'block_size': 128})."
-            )
-        return from_fields(cls, spec, "calibration gptq")
+        return optional_spec(cls, spec, "calibration gptq", "use true, false or a dict of its fields "
+                             "(e.g. {'perc_damp': 0.01, 'block_size': 128}).")  # fmt: skip
 
 
 def require_gptq() -> None:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..specs import ConfigError, did_you_mean, from_fields
+from ..specs import ConfigError, did_you_mean, optional_spec
 
 __all__ = [
     "ACT_SCALES",
@@ -120,20 +120,10 @@ class LearnedScalesConfig:
 
     @classmethod
     def resolve_spec(cls, spec: Any) -> LearnedScalesConfig | None:
-        if spec is None or spec is False or spec == "off":
-            return None
-        if isinstance(spec, LearnedScalesConfig):
-            return spec
         if isinstance(spec, str):
-            return cls(mode=spec)
-        if spec is True:
-            return cls()
-        if not (isinstance(spec, dict) or hasattr(spec, "items")):
-            raise ConfigError(
-                f"learned_scales={spec!r} is not understood; use 'post', 'dual', 'scale_only', a dict "
-                "{'mode': ..., 'lr': ...} or None (off)."
-            )
-        return from_fields(cls, spec, "learned_scales")
+            return None if spec == "off" else cls(mode=spec)
+        return optional_spec(cls, spec, "learned_scales", "use 'post', 'dual', 'scale_only', a dict "
+                             "{'mode': ..., 'lr': ...} or None (off).")  # fmt: skip
 
 
 def uses_static_weights(weight_scale: str, act_scale: str, learned: LearnedScalesConfig | None) -> bool:

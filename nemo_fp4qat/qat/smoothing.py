@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..specs import ConfigError, from_fields
+from ..specs import optional_spec
 from .batches import forward_batches
 from .policy import is_quantizer
 
@@ -78,20 +78,10 @@ class SmoothingConfig:
     @classmethod
     def resolve_spec(cls, spec: Any) -> SmoothingConfig | None:
         """``None``/``False``: off; ``True``: defaults; a float: alpha; a dict or a SmoothingConfig."""
-        if spec is None or spec is False:
-            return None
-        if spec is True:
-            return cls()
-        if isinstance(spec, SmoothingConfig):
-            return spec
-        if isinstance(spec, (int, float)):
+        if isinstance(spec, (int, float)) and not isinstance(spec, bool):
             return cls(alpha=float(spec))
-        if isinstance(spec, dict) or hasattr(spec, "items"):
-            return from_fields(cls, spec, "smoothing")
-        raise ConfigError(
-            f"smoothing={spec!r} is not understood; give true, an alpha (e.g. 0.5) or a dict such as "
-            "{'alpha': 0.5, 'sites': ['mlp_in']}."
-        )
+        return optional_spec(cls, spec, "smoothing", "give true, an alpha (e.g. 0.5) or a dict such as "
+                             "{'alpha': 0.5, 'sites': ['mlp_in']}.")  # fmt: skip
 
 
 @dataclass
