@@ -40,6 +40,7 @@ from .atomic import atomic_directory, write_manifest
 from .engine_dtype import round_unquantized_tensors
 from .engine_fields import declare_for_engines
 from .engine_plan import EnginePlan, deployment_notes, write_engine_plan
+from .mcore_layer_formats import declare_mcore_layer_formats
 from .runtime_support import ENGINE_RUNTIMES, HF_ONLY_RUNTIMES, RUNTIMES, ExportRefused, preflight
 
 __all__ = ["EXPORT_KINDS", "ExportConfig", "ExportValidationError", "export_checkpoint"]
@@ -205,6 +206,7 @@ def _export_mcore_hf(model: nn.Module, out: Path, cfg: ExportConfig) -> None:
     packed, declared = _hf_dtypes(model, cfg)
     with modelopt_export_on_cpu(), _fp8_weights_divided_in_float32(), torch.inference_mode():
         export_mcore_gpt_to_hf(model, cfg.hf_model, dtype=packed, export_dir=str(out))
+    declare_mcore_layer_formats(model, out)
     round_unquantized_tensors(out, declared)
 
 

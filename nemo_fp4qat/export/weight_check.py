@@ -17,7 +17,7 @@ from .reader import head_counts
 from .unpack import E2M1_VALUES, dequantize_linear, e8m0_to_float, unpack_e2m1_codes
 from .validation_report import Problem, ValidationReport
 
-__all__ = ["compare_weights", "model_reference", "resmoothed"]
+__all__ = ["compare_weights", "mcore_module_of", "model_reference", "resmoothed"]
 
 _MCORE = [
     (r"transformer\.layers\.(\d+)\.attention\.qkv", r"decoder.layers.\1.self_attention.linear_qkv"),
@@ -53,6 +53,12 @@ _MCORE_FROM_HF = [
     (r"model\.layers\.(\d+)\.mlp\.shared_experts?\.(gate|up)_proj", r"decoder.layers.\1.mlp.shared_experts.linear_fc1"),
     (r"model\.layers\.(\d+)\.mlp\.shared_experts?\.down_proj", r"decoder.layers.\1.mlp.shared_experts.linear_fc2"),
 ]
+
+
+def mcore_module_of(hf_name: str) -> str | None:
+    """The megatron-core module (local layer spec) that holds the Hugging Face linear ``hf_name`` whole or in part."""
+    found = next(((m, repl) for pat, repl in _MCORE_FROM_HF if (m := re.fullmatch(pat, hf_name))), None)
+    return found[0].expand(found[1]) if found is not None else None
 
 
 def _qkv_rows(config: dict[str, Any]) -> torch.Tensor:
@@ -114,10 +120,10 @@ def _mcore_part(
 ) -> torch.Tensor | None:
     """The rows of a megatron-core fused module that the Hugging Face module ``name`` holds: q/k/v of
     ``linear_qkv`` (megatron interleaves them per query group), gate/up halves of a gated ``linear_fc1``."""
-    found = next(((m, repl) for pat, repl in _MCORE_FROM_HF if (m := re.fullmatch(pat, name))), None)
-    if found is None:
+    target = mcore_module_of(name)
+    if target is None:
         return None
-    mod = modules.get(found[0].expand(found[1]))
+    mod = modules.get(target)
     ref = _fake_quant(mod, quantized) if mod is not None else None
     if ref is None:
         return None

@@ -5,15 +5,15 @@ from __future__ import annotations
 from .callback import NeMoFP4QATCallback, megatron_module, nemo_gpt_forward
 from .cpu_mode import cpu_mode_active, megatron_cpu_mode
 from .cpu_task import on_cpu
-from .hf_import import import_hf_llama, load_nemo_llama, megatron_logits, smollm2_nemo_checkpoint
+from .hf_import import import_hf_model, load_nemo_model, megatron_logits, smollm2_nemo_checkpoint
 from .recipes import with_fp4_qat
 
 __all__ = [
     "NeMoFP4QATCallback",
     "QATAutoResume",
     "cpu_mode_active",
-    "import_hf_llama",
-    "load_nemo_llama",
+    "import_hf_model",
+    "load_nemo_model",
     "megatron_cpu_mode",
     "megatron_logits",
     "megatron_module",

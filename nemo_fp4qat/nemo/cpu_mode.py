@@ -36,6 +36,7 @@ CUDA_FUSIONS = (
     "persist_layer_norm",
     "bias_dropout_fusion",
     "gradient_accumulation_fusion",
+    "moe_permute_fusion",
 )
 
 

@@ -15,8 +15,6 @@ def tiny_gpt(tp: int = 1, devices: int = 1, seq_length: int = 32, pp: int = 1,
     at that expert-parallel size."""
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig
-    from nemo import lightning as nl
     from nemo.collections import llm
     from nemo.collections.common.tokenizers.bytelevel_tokenizers import ByteLevelTokenizer
 
@@ -35,6 +33,41 @@ def tiny_gpt(tp: int = 1, devices: int = 1, seq_length: int = 32, pp: int = 1,
                 expert_model_parallel_size=ep) if ep else {}),
     )  # fmt: skip
 
+    data = tiny_data(ByteLevelTokenizer(), devices, tp=tp, pp=pp, seq_length=seq_length)
+    return llm.GPTModel(cfg, tokenizer=data.tokenizer, optim=_adam()), data
+
+
+def _adam() -> Any:
+    from megatron.core.optimizer import OptimizerConfig
+    from nemo import lightning as nl
+
+    return nl.MegatronOptimizerModule(
+        config=OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0, use_distributed_optimizer=False)
+    )
+
+
+def imported_gpt(path: Any, devices: int = 1, seq_length: int = 32) -> tuple[Any, Any]:
+    """(model, data) for a NeMo checkpoint imported from Hugging Face (``import_hf_model``): the model class, config
+    and tokenizer its context holds (the weights come from ``RestoreConfig``), the tests' optimizer and mock data
+    (global batch 2), dropout off, and no load-balancing loss (computed on each data-parallel rank's own tokens, it
+    would make an expert-parallel run differ from a one-rank run by design)."""
+    from pathlib import Path
+
+    from nemo.lightning import io
+
+    context = io.load_context(Path(path) / "context", subpath="model")
+    cfg = context.config
+    cfg.seq_length, cfg.hidden_dropout, cfg.attention_dropout = seq_length, 0.0, 0.0
+    if cfg.num_moe_experts:
+        cfg.moe_router_load_balancing_type = "none"
+    data = tiny_data(context.tokenizer, devices, seq_length=seq_length)
+    return type(context)(cfg, tokenizer=context.tokenizer, optim=_adam()), data
+
+
+def tiny_data(tokenizer: Any, devices: int, tp: int = 1, pp: int = 1, seq_length: int = 32) -> Any:
+    """NeMo's mock GPT data (global batch 2; micro-batch 1 under pipeline parallelism), resumable."""
+    from nemo.collections import llm
+
     class ResumableMockDataModule(llm.MockDataModule):
         """MockDataModule plus the consumed-samples state NeMo's PreTrainingDataModule keeps, so a
         resumed run continues the data stream where the checkpoint left it (NeMo's mock has none)."""
@@ -50,9 +83,7 @@ def tiny_gpt(tp: int = 1, devices: int = 1, seq_length: int = 32, pp: int = 1,
     data_parallel = devices // (tp * pp)
     micro_batch = 1 if pp > 1 else 2 // data_parallel
     data = ResumableMockDataModule(seq_length=seq_length, global_batch_size=2, micro_batch_size=micro_batch,
-                                   num_workers=0, pin_memory=False, tokenizer=ByteLevelTokenizer(),
+                                   num_workers=0, pin_memory=False, tokenizer=tokenizer,
                                    create_attention_mask=True)  # fmt: skip
-    optim = nl.MegatronOptimizerModule(
-        config=OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0, use_distributed_optimizer=False)
-    )
-    return llm.GPTModel(cfg, tokenizer=data.tokenizer, optim=optim), data
+    return data
+

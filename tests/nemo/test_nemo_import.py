@@ -36,6 +36,18 @@ def test_imported_logits_match_hugging_face(result):
     assert result["norm_weights_not_one"]  # the local-spec RMSNorm weights were imported, not left at 1.0
 
 
+def test_quantized_nemo_model_exports_a_validated_hf_checkpoint_in_the_models_layout(result):
+    export = result["hf_export"]
+    assert export["ok"] and export["numeric"]["fp4_codes_different"] == 0 and export["numeric"]["fp4_codes_compared"]
+    # each layer in its trained format under SmolLM2's names: attention FP8, MLP NVFP4 (q/k/v and gate/up split out
+    # of NeMo's fused layers), lm_head 16-bit
+    assert export["quant_algo"] == "MIXED_PRECISION"
+    assert {v for k, v in export["layers"].items() if ".self_attn." in k} == {"FP8"}
+    assert {v for k, v in export["layers"].items() if ".mlp." in k} == {"NVFP4"}
+    assert len([k for k in export["layers"] if k.endswith((".q_proj", ".gate_proj", ".down_proj"))]) == 3 * 30
+    assert "lm_head" not in export["layers"]
+
+
 def test_import_is_cached(result):
     assert not result["rewritten"]
     assert result["cached_s"] < result["import_s"] or result["import_s"] < 1.0  # second call: no conversion

@@ -24,7 +24,7 @@ def main(cache: str) -> None:
     from nemo_fp4qat import QATController
     from nemo_fp4qat.demo.model import load_corpus, load_smollm2
     from nemo_fp4qat.nemo import megatron_cpu_mode, megatron_module
-    from nemo_fp4qat.nemo.hf_import import load_nemo_llama, megatron_logits, smollm2_nemo_checkpoint
+    from nemo_fp4qat.nemo.hf_import import load_nemo_model, megatron_logits, smollm2_nemo_checkpoint
 
     out: dict = {}
     t0 = time.time()
@@ -43,7 +43,7 @@ def main(cache: str) -> None:
     with torch.no_grad():
         ref = hf(tokens).logits
     with megatron_cpu_mode():
-        nemo = load_nemo_llama(path)
+        nemo = load_nemo_model(path)
         got = megatron_logits(nemo, tokens)
         out["rel_err"] = float((got - ref).norm() / ref.norm())
         out["norm_weights_not_one"] = bool((megatron_module(nemo).decoder.layers[0].input_layernorm.weight != 1).any())
@@ -72,6 +72,19 @@ def main(cache: str) -> None:
             "fc1": layer.mlp.linear_fc1.weight_quantizer(layer.mlp.linear_fc1.weight),
             "fc2": layer.mlp.linear_fc2.weight_quantizer(layer.mlp.linear_fc2.weight),
         }
+        # the quantized NeMo model as a unified HF checkpoint in SmolLM2's own layout (the end-of-fit export's
+        # kind='hf' on a NeMo run)
+        from nemo_fp4qat.demo.model import smollm2_hf_dir
+        from nemo_fp4qat.export import export_checkpoint
+
+        exported = export_checkpoint(
+            megatron_module(nemo), "hf_export", {"kind": "hf", "hf_model": str(smollm2_hf_dir())}
+        )
+        report = json.loads((exported / "validation.json").read_text())
+        declared = json.loads((exported / "hf_quant_config.json").read_text())["quantization"]
+        out["hf_export"] = {"ok": report["ok"], "numeric": report["numeric"], "quant_algo": declared["quant_algo"],
+                            "layers": {k: v["quant_algo"] for k, v in declared.get("quantized_layers", {}).items()},
+                            "exclude": declared.get("exclude_modules")}  # fmt: skip
     qh = QATController(policy="default", forward_fn=lambda m, b: m(b))
     out["hf_table"] = counts(qh.prepare(hf))
     qh.calibrate(hf, calib)

@@ -35,6 +35,10 @@ EXPORT_DIR = os.environ.get("EXPORT_DIR")  # set: the callback exports a TRT-LLM
 NVFP4_FROM_START = os.environ.get("NVFP4_FROM_START") == "1"  # set: NVFP4 from the first step (no BF16/FP8 stage)
 # MONITOR_ACTION: the monitor's action (default warn); its report goes beside OUT
 INJECT_INF_STEP = int(os.environ["INJECT_INF_STEP"]) if os.environ.get("INJECT_INF_STEP") else None
+# POLICY: the policy preset (default fp_embeddings)
+# set: the model is the Hugging Face folder HF_DIR imported into NeMo (mode ``import`` writes that checkpoint to CKPT;
+# the other modes start from it), and the end-of-fit export is a unified HF checkpoint in HF_DIR's layout
+HF_DIR = os.environ.get("HF_DIR")
 
 if __name__ == "__main__":
     out = sys.argv[1]
@@ -44,22 +48,41 @@ if __name__ == "__main__":
     save_to = (sys.argv[4] if len(sys.argv) > 4 else None) if mode == "qad" else ckpt
     save_to = save_to if mode in ("pretrain", "qad", "save") else None
     qad = mode.startswith("qad")
-    from nemo_fp4qat.nemo import NeMoFP4QATCallback, megatron_cpu_mode, megatron_module
+    from nemo_fp4qat.nemo import NeMoFP4QATCallback, import_hf_model, megatron_cpu_mode, megatron_module
+
+    if mode == "import":  # and the imported model's logits against the Hugging Face model's
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from nemo_fp4qat.nemo import load_nemo_model, megatron_logits
+
+        import_hf_model(HF_DIR, ckpt)
+        tokens = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            ref = AutoModelForCausalLM.from_pretrained(HF_DIR, dtype=torch.float32).eval()(tokens).logits
+        with megatron_cpu_mode():
+            got = megatron_logits(load_nemo_model(ckpt), tokens)[..., : ref.shape[-1]]
+        with open(out, "w") as f:
+            json.dump({"logits_max_abs_diff": float((got - ref).abs().max()), "logits_max": float(ref.abs().max())}, f)
+        sys.exit(0)
 
     with megatron_cpu_mode():
         import lightning.pytorch as pl
         import nemo.lightning as nl
         import torch
-        from nemo_tiny import tiny_gpt
+        from nemo_tiny import imported_gpt, tiny_gpt
 
-        model, data = tiny_gpt(tp=TP, devices=DEVICES, pp=PP, init_std=float(os.environ.get("INIT_STD", "0.02")),
-                               ep=EP)  # fmt: skip
+        if HF_DIR:
+            model, data = imported_gpt(ckpt, devices=DEVICES)
+        else:
+            model, data = tiny_gpt(tp=TP, devices=DEVICES, pp=PP, init_std=float(os.environ.get("INIT_STD", "0.02")),
+                                   ep=EP)  # fmt: skip
         stages = [{"start": 0, "format": "bf16"}, {"start": 1, "format": "target"}] if qad else [
             {"start": 0, "format": "fp8"}, {"start": 2, "format": "target"}]  # fmt: skip
         if NVFP4_FROM_START:
             stages = [{"start": 0, "format": "target"}]
         qat = NeMoFP4QATCallback(
-            policy="fp_embeddings",
+            policy=os.environ.get("POLICY", "fp_embeddings"),
             schedule={"stages": stages},
             # the block scale search runs at the switch to NVFP4: data-parallel ranks calibrate on different samples
             # and must still clip their replicas alike; the export must still validate code for code
@@ -68,6 +91,7 @@ if __name__ == "__main__":
                 "block_scale_search": os.environ.get("BLOCK_SEARCH", "1") == "1",
             },
             export_dir=EXPORT_DIR,
+            export={"kind": "hf", "hf_model": HF_DIR} if HF_DIR else None,
             distillation=True if qad else None,
         )
         seen: list[dict] = []
