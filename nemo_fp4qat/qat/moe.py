@@ -33,6 +33,7 @@ __all__ = [
     "check_moe_formats",
     "expert_projections",
     "is_router",
+    "refuse_fused_experts",
     "split_expert_name",
     "tie_expert_amax",
 ]
@@ -74,6 +75,41 @@ def expert_projections(names: Iterable[str]) -> dict[tuple[str, str], list[str]]
         if parts is not None:
             found.setdefault((parts[0], parts[2]), []).append((parts[1], name))
     return {key: [n for _, n in sorted(v)] for key, v in sorted(found.items())}
+
+
+def _fused_weights(module: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """A fused expert container's own 3-D weights (``gate_up_proj`` of ``[experts, in, out]`` ...): gpt-oss's and
+    Llama-4's experts, transformers 5's batched experts."""
+    if "Expert" not in type(module).__name__:
+        return []
+    return [(n, tuple(p.shape)) for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
+
+
+def refuse_fused_experts(model: nn.Module, full_precision: Any) -> None:
+    """Refuse a model whose experts live in fused containers (one 3-D weight per projection for all experts) unless
+    ``full_precision(name)`` says the policy keeps that container in 16 bits on purpose.
+
+    The policies format linear layers, one per expert; a fused container is not one, so its experts would train
+    unquantized while the policy table says the model is in FP4. modelopt inserts quantizers into some of them
+    (``_QuantGptOssExperts``, ``_QuantLlama4TextExperts``, its generic fused experts) but this plugin does not
+    format, calibrate, tie, export or validate them yet.
+
+    Raises:
+        ConfigError: naming the container, its fused weights and the ways forward.
+    """
+    for name, module in model.named_modules():
+        fused = _fused_weights(module)
+        if fused and not full_precision(name):
+            weights = ", ".join(f"{n} {list(shape)}" for n, shape in fused)
+            raise ConfigError(
+                f"{name} ({type(module).__name__}) holds its experts fused ({weights}): one 3-D weight per "
+                "projection for all experts, not one linear layer per expert, which is what this plugin's policies "
+                "quantize, so these experts would silently train in 16 bits. Not supported yet. Use a model whose "
+                "experts are per-expert linears (Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek in transformers 4.x; "
+                "megatron-core's SequentialMLP, moe_grouped_gemm=False), or keep these experts in 16 bits on "
+                "purpose with a policy rule that matches the container and gives it no format, e.g. "
+                "{patterns: ['*.mlp.experts'], weight: null, group: experts}."
+            )
 
 
 def check_moe_formats(rows: Iterable[Any]) -> None:

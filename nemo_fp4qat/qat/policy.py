@@ -21,7 +21,14 @@ import torch.nn as nn
 
 from ..numerics.formats import FULL_PRECISION, QuantFormat, get_format
 from ..specs import ConfigError, did_you_mean, from_fields
-from .moe import EXPERT_PATTERNS, ROUTER_PATTERNS, SHARED_EXPERT_PATTERNS, check_moe_formats, is_router
+from .moe import (
+    EXPERT_PATTERNS,
+    ROUTER_PATTERNS,
+    SHARED_EXPERT_PATTERNS,
+    check_moe_formats,
+    is_router,
+    refuse_fused_experts,
+)
 
 # KV-cache formats a policy may request (TensorRT-LLM deploys FP8 KV caches from calibrated scales).
 KV_CACHE_FORMATS = frozenset({"fp8"})
@@ -350,6 +357,12 @@ class LayerPolicy:
             return FULL_PRECISION
         return min(quant, key=lambda f: (element_bits(f), f.bits_per_element))
 
+    def _kept_in_full_precision(self, name: str) -> bool:
+        """Whether a rule matching ``name`` (the first) keeps it in 16 bits; a default that names no module does not
+        say so for a module it was never meant for."""
+        rule = next((r for r in self.rules if r.matches(name)), None)
+        return rule is not None and _full_precision_rule(rule)
+
     def resolve(self, model: nn.Module) -> PolicyTable:
         """Match every module of ``model``; raise if a rule matches nothing or nothing is quantized."""
         rows: list[PolicyRow] = []
@@ -382,6 +395,7 @@ class LayerPolicy:
                     f"{sample}) or mark the rule 'optional: true'."
                 )
         check_moe_formats(rows)
+        refuse_fused_experts(model, self._kept_in_full_precision)
         table = PolicyTable(rows)
         if not any(r.quantized for r in rows):
             raise ValueError(
@@ -390,6 +404,10 @@ class LayerPolicy:
                 "'default' or add a rule with a format for the linear layers."
             )
         return table
+
+
+def _full_precision_rule(rule: PolicyRule) -> bool:
+    return _canonical(rule.weight) == FULL_PRECISION.name and _canonical(rule.input) == FULL_PRECISION.name
 
 
 def element_bits(fmt: QuantFormat) -> int:

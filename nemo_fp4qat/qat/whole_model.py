@@ -71,6 +71,8 @@ def at_size_one(config: Any) -> Any:
     config.tensor_model_parallel_size = config.pipeline_model_parallel_size = 1
     if getattr(config, "expert_model_parallel_size", 1) not in (None, 1):
         config.expert_model_parallel_size = 1
+    if getattr(config, "expert_tensor_parallel_size", None) not in (None, 1):
+        config.expert_tensor_parallel_size = 1
     config.sequence_parallel = False
     return config
 
@@ -158,14 +160,18 @@ def _owner_weight(key: str) -> str | None:
     return None
 
 
-def _partition_rules(module: nn.Module, offset: int, gated: bool) -> dict[str, tuple[int, bool]]:
+def _partition_rules(
+    module: nn.Module, offset: int, gated: bool, expert_offset: int = 0
+) -> dict[str, tuple[int, bool]]:
     """Whole-model name -> (the dimension its tensor-parallel shards concatenate along, whether it is a gated
-    ``linear_fc1``, whose shards each hold a slice of the gate then a slice of the up projection)."""
+    ``linear_fc1``, whose shards each hold a slice of the gate then a slice of the up projection). Routed experts'
+    shards are those of the expert tensor-parallel group."""
     rules = {}
     for name, p in module.named_parameters():
         if getattr(p, "tensor_model_parallel", False):
-            is_fc1 = name.rpartition(".")[0].endswith("mlp.linear_fc1")
-            rules[to_global_name(name, offset)] = (int(p.partition_dim), gated and is_fc1)
+            is_fc1 = name.rpartition(".")[0].endswith("linear_fc1")
+            rules[_global_expert_name(to_global_name(name, offset), expert_offset)] = (int(p.partition_dim),
+                                                                                       gated and is_fc1)  # fmt: skip
     return rules
 
 
@@ -223,69 +229,70 @@ def merge_tensor_parallel_shards(
 
 
 def gather_whole_model(build_whole: Callable[[], nn.Module], module: nn.Module, controller: Any) -> nn.Module | None:
-    """The whole model of a tensor- and/or pipeline-parallel run, assembled on global rank 0 (``None`` elsewhere).
+    """The whole model of a tensor-, pipeline- and/or expert-parallel run, assembled on global rank 0 (``None``
+    elsewhere).
 
-    A collective: every rank calls it. Data-parallel rank 0 of each (tensor, pipeline) position sends its tensors
-    (weights and quantizer buffers, under the whole model's layer names), how its parameters are partitioned, and
-    its schedule state to global rank 0, which merges each stage's tensor-parallel shards
-    (:func:`merge_tensor_parallel_shards`), builds the model at tensor and pipeline size 1 with ``build_whole``
-    (called inside :func:`alone_on_rank_0`: the run's own model config at size 1, with the vocabulary padded as
-    the run padded it), inserts the quantizers from the run's policy, puts every stage's quantizers in their
-    trained formats and loads every tensor. The result holds exactly what the ranks trained, so the export and its
-    validation see every layer. Rank 0 needs the host memory of the whole model; export it inside
-    :func:`alone_on_rank_0` too.
+    A collective: every rank calls it. Data-parallel rank 0 of each (tensor, pipeline) position sends its dense
+    tensors, and expert-data-parallel rank 0 of each (expert tensor, expert, pipeline) position its routed experts
+    (weights and quantizer buffers, under the whole model's layer and expert names), with how its parameters are
+    partitioned and its schedule state, to global rank 0, which merges each stage's tensor-parallel shards and each
+    expert rank's expert-tensor-parallel shards (:func:`merge_tensor_parallel_shards`), builds the model at tensor,
+    pipeline and expert size 1 with ``build_whole`` (called inside :func:`alone_on_rank_0`: the run's own model
+    config at size 1, with the vocabulary padded as the run padded it), inserts the quantizers from the run's
+    policy, puts every stage's quantizers in their trained formats and loads every tensor. The result holds exactly
+    what the ranks trained, so the export and its validation see every layer. Rank 0 needs the host memory of the
+    whole model; export it inside :func:`alone_on_rank_0` too.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     global _ALONE
     ep = ps.get_expert_model_parallel_world_size()
-    if ep > 1 and ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size() > 1:
-        raise NotImplementedError(
-            "The end-of-training export of a run with expert parallelism together with tensor or pipeline parallelism "
-            "is not assembled on one rank yet (expert parallelism alone, and tensor x pipeline without it, are). "
-            "Export from a checkpoint of the run instead, or train with one of them."
-        )
     if _ALONE is None:
         _ALONE = dist.new_group([0], backend="gloo")  # every rank creates it, only rank 0 is in it
     offset, expert_offset = stage_layer_offset(module), _expert_offset(module)
-    # one copy of each shard: the dense layers from data-parallel rank 0; under expert parallelism each rank holds
-    # other experts, sent (under their global index) by the first rank of each expert's data-parallel group
+    # one copy of each shard: the dense layers from data-parallel rank 0 of each (tensor, pipeline) position; under
+    # expert parallelism the routed experts (under their global index) from expert-data-parallel rank 0 of each
+    # (expert tensor, expert, pipeline) position
     send_dense = ps.get_data_parallel_rank(with_context_parallel=True) == 0
     send_experts = ps.get_expert_data_parallel_rank() == 0 if ep > 1 else send_dense
     payload = None
     if send_dense or send_experts:
         gated = bool(getattr(module.config, "gated_linear_unit", False))
-        payload = {
-            "tensors": {
-                _global_expert_name(to_global_name(k, offset), expert_offset): v.detach().cpu()
-                for k, v in module.state_dict().items()
-                if isinstance(v, torch.Tensor) and (send_experts if ".local_experts." in k else send_dense)
-            },
-            "rules": _partition_rules(module, offset, gated),
-            "controller": _global_controller_state(controller.state_dict(), offset, expert_offset),
-            "stage": ps.get_pipeline_model_parallel_rank(),
-            "tp_rank": ps.get_tensor_model_parallel_rank(),
-        }
+        payload = {"dense": {}, "experts": {}}
+        for k, v in module.state_dict().items():
+            if isinstance(v, torch.Tensor) and (send_experts if ".local_experts." in k else send_dense):
+                part = "experts" if ".local_experts." in k else "dense"
+                payload[part][_global_expert_name(to_global_name(k, offset), expert_offset)] = v.detach().cpu()
+        payload.update(
+            rules=_partition_rules(module, offset, gated, expert_offset),
+            controller=_global_controller_state(controller.state_dict(), offset, expert_offset),
+            stage=ps.get_pipeline_model_parallel_rank(),
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            ep_rank=ps.get_expert_model_parallel_rank() if ep > 1 else 0,
+            etp_rank=ps.get_expert_tensor_parallel_rank() if ep > 1 else ps.get_tensor_model_parallel_rank(),
+        )
     gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(payload, gathered, dst=0)
     if dist.get_rank() != 0:
         return None
     sent = [p for p in gathered if p is not None]
-    stages: dict[int, list[dict[str, Any]]] = {}
-    for p in sorted(sent, key=lambda p: (p["stage"], p["tp_rank"])):
-        stages.setdefault(p["stage"], []).append(p)
     tensors: dict[str, torch.Tensor] = {}
-    for shards in stages.values():
-        if ep > 1:  # one stage, one tensor-parallel rank: each payload holds other tensors (dense or experts)
-            for shard in shards:
-                tensors.update(shard["tensors"])
-        else:
-            tensors.update(merge_tensor_parallel_shards([s["tensors"] for s in shards], shards[0]["rules"]))
-    firsts = [shards[0] for shards in stages.values()] if ep == 1 else sent  # a stage's shards share its schedule
-    state = dict(firsts[0]["controller"])
-    state["current"] = {m: f for p in firsts for m, f in p["controller"]["current"].items()}
-    state["ramps"] = {q: r for p in firsts for q, r in p["controller"]["ramps"].items()}
+    # each stage's dense layers merged over tensor parallelism; each (stage, expert rank)'s experts over expert
+    # tensor parallelism
+    groups: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
+    for p in sent:
+        if p["dense"]:
+            groups.setdefault(("dense", p["stage"], 0), []).append(p)
+        if p["experts"]:
+            groups.setdefault(("experts", p["stage"], p["ep_rank"]), []).append(p)
+    for (part, _stage, _ep_rank), shards in groups.items():
+        shards.sort(key=lambda p: p["tp_rank"] if part == "dense" else p["etp_rank"])
+        tensors.update(merge_tensor_parallel_shards([s[part] for s in shards], shards[0]["rules"]))
+    # a (stage, expert rank)'s payloads share its schedule state; their union names every module once
+    state = dict(sent[0]["controller"])
+    state["current"] = {m: f for p in sent for m, f in p["controller"]["current"].items()}
+    state["ramps"] = {q: r for p in sent for q, r in p["controller"]["ramps"].items()}
 
     with alone_on_rank_0(), torch.random.fork_rng(devices=[]):  # building initializes weights: keep the run's RNG
         whole = build_whole()

@@ -94,3 +94,26 @@ def test_expert_parallel_qad_resumes_bit_for_bit_with_each_ranks_teacher_and_cal
         assert resumed["losses"][step] == straight["losses"][step], step
     for r in (0, 1):
         assert resumed["ranks"][r]["expert_input_amax"] == straight["ranks"][r]["expert_input_amax"]
+
+
+@pytest.mark.slow_bridge
+def test_expert_parallel_with_pipeline_parallel_trains_as_one_rank_and_exports_the_same_checkpoint(tmp_path, hf_moe):
+    """PP 2 x EP 2 on four ranks (data parallel 2): rank 0 gathers each stage's layers and each expert rank's experts
+    into the one-rank model, and its export equals the EP 1 export code for code."""
+    common = dict(MODEL="moe", HF_DIR=hf_moe, QAD=1, STEPS=5, SAVE_INTERVAL=100, SWITCH_AT=2)
+    one = run_bridge_worker(tmp_path, "one", tmp_path / "ckpt1", EXPORT_DIR=tmp_path / "export1", **common)
+    four = run_bridge_worker(tmp_path, "ppep", tmp_path / "ckpt4", nproc=4, EP=2, PP=2,
+                             EXPORT_DIR=tmp_path / "export4", **common)  # fmt: skip
+    last = four["ranks"][3]  # a rank of the last stage, which computes the loss
+    assert sorted(last["losses"]) == sorted(one["losses"]) == [str(s) for s in range(1, 6)]
+    for step, loss in one["losses"].items():
+        assert last["losses"][step] == pytest.approx(loss, abs=1e-6), step
+    assert four["export"]["ok"], four["export"]["errors"]
+    assert four["export"]["numeric"]["fp4_codes_different"] == 0
+    a, b = _tensors(tmp_path / "export1"), _tensors(tmp_path / "export4")
+    assert a.keys() == b.keys() and sum(".experts." in k for k in a) == 2 * 4 * 3 * 4  # weight and its 3 scales
+    for key in a:
+        if ".experts." in key and not key.endswith("input_scale"):  # the experts' codes and block scales
+            assert torch.equal(a[key], b[key]), key
+        else:  # calibrated on other shapes: amax one float32 ulp apart
+            torch.testing.assert_close(b[key].float(), a[key].float(), rtol=1e-3, atol=1e-4, msg=key)

@@ -46,7 +46,7 @@ def _adam() -> Any:
     )
 
 
-def imported_gpt(path: Any, devices: int = 1, seq_length: int = 32) -> tuple[Any, Any]:
+def imported_gpt(path: Any, devices: int = 1, seq_length: int = 32, tp: int = 1) -> tuple[Any, Any]:
     """(model, data) for a NeMo checkpoint imported from Hugging Face (``import_hf_model``): the model class, config
     and tokenizer its context holds (the weights come from ``RestoreConfig``), the tests' optimizer and mock data
     (global batch 2), dropout off, and no load-balancing loss (computed on each data-parallel rank's own tokens, it
@@ -60,7 +60,7 @@ def imported_gpt(path: Any, devices: int = 1, seq_length: int = 32) -> tuple[Any
     cfg.seq_length, cfg.hidden_dropout, cfg.attention_dropout = seq_length, 0.0, 0.0
     if cfg.num_moe_experts:
         cfg.moe_router_load_balancing_type = "none"
-    data = tiny_data(context.tokenizer, devices, seq_length=seq_length)
+    data = tiny_data(context.tokenizer, devices, tp=tp, seq_length=seq_length)
     return type(context)(cfg, tokenizer=context.tokenizer, optim=_adam()), data
 
 
@@ -86,4 +86,3 @@ def tiny_data(tokenizer: Any, devices: int, tp: int = 1, pp: int = 1, seq_length
                                    num_workers=0, pin_memory=False, tokenizer=tokenizer,
                                    create_attention_mask=True)  # fmt: skip
     return data
-

@@ -89,6 +89,27 @@ def test_experts_of_one_layer_in_different_formats_are_refused_naming_the_layer(
         down.resolve(tiny_moe("qwen3"))
 
 
+def test_fused_expert_containers_are_refused_unless_a_rule_keeps_them_in_16_bits():
+    """gpt-oss holds each layer's experts as one 3-D weight per projection (``GptOssExperts``): no policy formats them,
+    so a run would train them in 16 bits under a table that says FP4. Refused by name, unless a rule keeps them."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = GptOssConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, intermediate_size=32, num_local_experts=4,
+                       num_experts_per_tok=2, layer_types=["full_attention"] * 2,
+                       tie_word_embeddings=False)  # fmt: skip
+    model = GptOssForCausalLM(cfg)
+    for preset in ("default", "aggressive_mlp"):
+        with pytest.raises(ConfigError, match=r"model.layers.0.mlp.experts \(GptOssExperts\) holds its experts fused "
+                                              r"\(gate_up_proj \[4, 64, 64\].*silently train in 16 bits"):  # fmt: skip
+            LayerPolicy.resolve_spec(preset).resolve(model)
+    kept = LayerPolicy(rules=[FULL, {"patterns": ["*.mlp.experts"], "weight": None, "group": "experts"},
+                              {"patterns": ["*self_attn.*"], "weight": "nvfp4", "group": "attention"}])  # fmt: skip
+    rows = _rows(kept, model)
+    assert rows["model.layers.0.self_attn.q_proj"] == ("attention", "nvfp4", "nvfp4")
+    assert not [m for m, (_g, w, i) in rows.items() if ".mlp." in m and (w, i) != ("bf16", "bf16")]
+
+
 def test_expert_names_split_for_hugging_face_and_megatron_core():
     assert split_expert_name("model.layers.3.mlp.experts.12.up_proj") == ("model.layers.3.mlp.experts", 12, "up_proj")
     assert split_expert_name("decoder.layers.0.mlp.experts.local_experts.1.linear_fc1") == (

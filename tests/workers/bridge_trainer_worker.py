@@ -34,6 +34,7 @@ TP = int(os.environ["TP"]) if os.environ.get("TP") else None
 PP = int(os.environ.get("PP", "1"))
 GATED = os.environ.get("GATED", "1") == "1"  # the tiny GPT's MLP gated (SwiGLU, as Llama's)
 EP = int(os.environ.get("EP", "1"))  # expert_model_parallel_size (MODEL=moe)
+ETP = int(os.environ["ETP"]) if os.environ.get("ETP") else None  # expert_tensor_parallel_size (MODEL=moe; default TP)
 SMALL = MODEL in ("tiny", "moe")
 SEQ, VOCAB = (32, 256) if SMALL else (64, 49152)
 LR = 3e-3 if SMALL else 1e-5
@@ -126,7 +127,9 @@ if __name__ == "__main__":
             model = AutoBridge.from_hf_pretrained(hf_dir, dtype=torch.float32).to_megatron_provider(load_weights=True)
             if MODEL == "moe":  # SequentialMLP experts (no grouped GEMM) and no fused permutation: both need TE
                 cpu_fields.update(moe_grouped_gemm=False, moe_permute_fusion=False, expert_model_parallel_size=EP,
-                                  moe_token_dispatcher_type="alltoall", autocast_dtype=torch.float32)  # fmt: skip
+                                  moe_token_dispatcher_type="alltoall", autocast_dtype=torch.float32,
+                                  tensor_model_parallel_size=TP or 1, pipeline_model_parallel_size=PP,
+                                  expert_tensor_parallel_size=ETP)  # fmt: skip
             for k, v in cpu_fields.items():
                 setattr(model, k, v)
         cfg = ConfigContainer(
@@ -165,7 +168,7 @@ if __name__ == "__main__":
                     ]
                 },
                 # the first global batch (MODEL=moe: each data-parallel rank its part of it)
-                calibration={"num_samples": (4 // world if MODEL == "moe" else 4) if SMALL else 2},
+                calibration={"num_samples": (4 // (world // PP) if MODEL == "moe" else 4) if SMALL else 2},
                 distillation="qad" if QAD else None,
                 export_dir=EXPORT_DIR,
             )

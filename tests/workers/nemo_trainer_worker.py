@@ -28,6 +28,7 @@ DEVICES = int(os.environ.get("DEVICES", "1"))  # > 1: processes on gloo (Lightni
 TP = int(os.environ.get("TP", "1"))  # tensor parallel size; data parallel = DEVICES // (TP * PP)
 PP = int(os.environ.get("PP", "1"))  # pipeline parallel size
 EP = int(os.environ["EP"]) if os.environ.get("EP") else None  # set: a mixture-of-experts model at this EP size
+ETP = int(os.environ["ETP"]) if os.environ.get("ETP") else None  # the experts' tensor-parallel size (default: TP)
 BASE = os.environ.get("BASE")  # a checkpoint to start from (RestoreConfig), as a recipe restores a base model
 EXPORT_DIR = os.environ.get("EXPORT_DIR")  # set: the callback exports a TRT-LLM checkpoint at the end of fit
 # set: a QuantizationMonitor (measuring every 2 steps) watches the run, and at this step an Inf is put into the
@@ -73,7 +74,7 @@ if __name__ == "__main__":
         from nemo_tiny import imported_gpt, tiny_gpt
 
         if HF_DIR:
-            model, data = imported_gpt(ckpt, devices=DEVICES)
+            model, data = imported_gpt(ckpt, devices=DEVICES, tp=TP)
         else:
             model, data = tiny_gpt(tp=TP, devices=DEVICES, pp=PP, init_std=float(os.environ.get("INIT_STD", "0.02")),
                                    ep=EP)  # fmt: skip
@@ -189,7 +190,10 @@ if __name__ == "__main__":
             extra = [monitor, InjectInf()]
         max_steps = STEPS // 2 if mode == "pretrain" else STEPS
         strategy = nl.MegatronStrategy(ckpt_async_save=False, tensor_model_parallel_size=TP,
-                                       pipeline_model_parallel_size=PP, expert_model_parallel_size=EP or 1)  # fmt: skip
+                                       pipeline_model_parallel_size=PP, expert_model_parallel_size=EP or 1,
+                                       expert_tensor_parallel_size=ETP,
+                                       # megatron-core requires sequence parallelism beside tensor x expert parallel
+                                       sequence_parallel=bool(EP and EP > 1 and TP > 1))  # fmt: skip
         trainer = nl.Trainer(accelerator="cpu", devices=DEVICES, max_steps=max_steps, strategy=strategy,
                              plugins=nl.MegatronMixedPrecision(precision="32"), logger=False,
                              callbacks=[Probe()] if mode == "pretrain" else [qat, Probe(), *extra],
