@@ -69,6 +69,11 @@ def main(report_path: str | None = None) -> dict:
         f"{'met' if rec >= 0.4 else 'NOT met'}; target 0.64: {'met' if rec >= 0.64 else 'NOT met'})",
         *([f"- recovery against the recipe's own PTQ (`ptq_recipe`, the QAT stage's start): "
            f"**{report['recovery_vs_recipe_ptq']:.3f}**"] if "recovery_vs_recipe_ptq" in report else []),
+        *([f"- QAT before export (in memory, float32 throughout): perplexity {report['qat_in_memory_ppl']:.3f}, gap "
+           f"{100 * (report['qat_in_memory_ppl'] / v['bf16_finetuned']['ppl'] - 1):.1f}%. The served checkpoint is "
+           f"the one for runtime `{report.get('export_runtime')}`: its unquantized tensors (embeddings, norms, "
+           "lm_head) in float16, as the engines run them, whose rounding flips NVFP4 activation codes"]
+          if report.get("qat_in_memory_ppl") and "bf16_finetuned" in v else []),
         *([f"- monitor measurement at each switch and at the end (all {len(mon)}): max **{max(mon):.1f} s** "
            f"(target < 5 s: {'met' if max(mon) < 5 else 'NOT met'})"] if mon else []),
         f"- wall time: **{wall:.0f} s** (budget 600 s: {'met' if wall <= 600 else 'NOT met'}; includes the one-time "
