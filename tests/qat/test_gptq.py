@@ -156,3 +156,55 @@ def test_gptq_settings_that_cannot_run_are_refused_by_name(monkeypatch):
     else:  # modelopt 0.37 (the nemo environment): refused by name, with the version that has it
         with pytest.raises(ConfigError, match=r"needs modelopt >= 0\.47"):
             CalibrationConfig(gptq=True)
+
+
+def _gptq_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    with torch.no_grad():
+        return {n: m.weight_quantizer(m.weight).detach().clone() for n, m in model.named_modules()
+                if hasattr(m, "weight_quantizer") and m.weight_quantizer.is_enabled}  # fmt: skip
+
+
+def _calibrated(batches: list[torch.Tensor]) -> torch.nn.Module:
+    model = _model()
+    ctl = QATController(policy="default", schedule="direct", calibration={"num_samples": 16}, forward_fn=_forward)
+    ctl.prepare(model)
+    ctl.calibrate(model, batches)
+    return model
+
+
+def _data_parallel_gptq_worker(rank: int, init: str, out: dict) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    try:
+        batches = _batches(n=8)
+        model = _calibrated(batches)  # the same scales on both ranks (every batch, amax synced)
+        apply_gptq(model, batches[rank::2], _forward, GPTQConfig())  # each rank its half of the data
+        out[rank] = _gptq_weights(model)
+    finally:
+        dist.destroy_process_group()
+
+
+@needs_gptq
+def test_data_parallel_ranks_round_with_the_hessian_of_all_their_data(tmp_path):
+    """Two data-parallel ranks, each with half of the calibration batches, average their Hessians (weighted by
+    tokens): both round every weight alike, as one process with all the batches does (up to float32 summation
+    order), and unlike a rank alone with its half."""
+    from two_ranks import run_two_ranks
+
+    ranks = run_two_ranks(_data_parallel_gptq_worker, f"file://{tmp_path / 'store'}")
+    batches = _batches(n=8)
+    whole = _calibrated(batches)
+    apply_gptq(whole, batches, _forward, GPTQConfig())
+    half = _calibrated(batches)
+    apply_gptq(half, batches[0::2], _forward, GPTQConfig())
+    want, alone = _gptq_weights(whole), _gptq_weights(half)
+    assert len(want) == 14 and ranks[0].keys() == ranks[1].keys() == want.keys()
+
+    def moved(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+        return sum(int((a[k] != b[k]).sum()) for k in a) / sum(t.numel() for t in a.values())
+
+    assert moved(ranks[0], ranks[1]) == 0.0
+    assert moved(ranks[0], want) < 0.001 < moved(alone, want), (moved(ranks[0], want), moved(alone, want))
