@@ -45,6 +45,7 @@ import torch.nn as nn
 from ..qat.batches import collect_batches
 from ..qat.config import QATConfig
 from ..qat.controller import QATController
+from ..qat.deploy_precision import refuse_deploy_dtype
 from ..qat.distillation import DistillationConfig
 from ..qat.megatron_distillation import MegatronDistiller, freeze, frozen_copy, require_megatron_loss
 from ..qat.pipeline_parallel import StagedForward, every_stage, this_stage
@@ -193,6 +194,7 @@ class FP4QATBridgeCallback(_BridgeCallback):
                 "tensor-parallel row shards and of pipeline stages are untested. Set gptq to null here, or train "
                 "through the Lightning front end."
             )
+        refuse_deploy_dtype(self.config.deploy_dtype)
         self.qad = DistillationConfig.resolve_spec(self.config.distillation)
         require_megatron_loss(self.qad)
         if self.qad is not None and isinstance(self.qad.teacher, (str, Path)):

@@ -93,6 +93,10 @@ class DemoConfig:
     # preset (experts NVFP4, routers 16-bit) and no smoothing; the export is a unified HF checkpoint only
     moe: bool = False
     moe_experts: int = 4
+    # the QAT stage trains the model's unquantized weights (embeddings, norms, lm_head) rounded to float16, the dtype
+    # the engines' checkpoints hold them in, so the served checkpoint computes what trained (None: float32 throughout,
+    # and the export's rounding moves the served perplexity by 1-3%: benchmarks/notes/measured.md)
+    deploy_dtype: str | None = "float16"
 
     def __post_init__(self) -> None:
         from ..qat.calibration import CalibrationConfig
@@ -182,6 +186,7 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float, details: TextIO) -> in
     from ..eval.evaluation import evaluate
     from ..eval.gate import compare_to_finetune, versus_finetune_cells, write_report
     from ..eval.harness import document_scores, run_lm_eval, write_local_tasks
+    from ..export.runtime_support import ENGINE_RUNTIMES
     from ..lightning.callback import FP4QATCallback
     from ..lightning.monitor_callback import QuantizationMonitor
     from ..qat.controller import QATController
@@ -260,11 +265,15 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float, details: TextIO) -> in
     label = cfg.policy if cfg.policy in DEMO_POLICIES else policy.name  # the name the user gave, not a file's path
     stage(3, f"PTQ of the fine-tune (policy {label!r})", result)
 
+    # the export for this plugin's server (runtime "pytorch") keeps float32: nothing to round then
+    deploy_dtype = cfg.deploy_dtype if policy.runtime in ENGINE_RUNTIMES else None
+
     def plain_qat() -> tuple[Any, list[float], FP4QATCallback, QuantizationMonitor]:
         model = copy.deepcopy(base)
         distill = {"alpha": cfg.distill_alpha} if cfg.distill_alpha > 0 else None
         cb = FP4QATCallback(policy=policy, schedule=cfg.schedule, calibration=calibration,
-                            calibration_data=calib, forward_fn=lambda m, b: m.net(b), distillation=distill)  # fmt: skip
+                            calibration_data=calib, forward_fn=lambda m, b: m.net(b), distillation=distill,
+                            deploy_dtype=deploy_dtype)  # fmt: skip
         mon = QuantizationMonitor(every_n_steps=max(1, cfg.steps // 2), out_dir=str(out / "quant_quality"))
         return model, train_lm(model, train, cfg, out, [cb, mon], "qat"), cb, mon
 
@@ -275,7 +284,8 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float, details: TextIO) -> in
         # fine-tune itself (the callback's frozen copy before quantization)
         model = copy.deepcopy(ft)
         cb = FP4QATCallback(policy=policy, schedule="direct", calibration=calibration,
-                            calibration_data=calib, forward_fn=lambda m, b: m.net(b), distillation="qad")  # fmt: skip
+                            calibration_data=calib, forward_fn=lambda m, b: m.net(b), distillation="qad",
+                            deploy_dtype=deploy_dtype)  # fmt: skip
         # one switch (step 0) and the end (each full-model analysis: report.json's monitor_measure_s)
         mon = QuantizationMonitor(every_n_steps=qad_steps, out_dir=str(out / "quant_quality"))
         return model, train_lm(model, train, cfg, out, [cb, mon], "qad", lr=cfg.qad_lr, steps=qad_steps), cb, mon

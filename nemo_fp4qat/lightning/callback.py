@@ -31,6 +31,7 @@ from ..numerics.cpu_backend import set_cuda_nvfp4_kernel
 from ..qat.calibration import collect_batches
 from ..qat.config import QATConfig
 from ..qat.controller import QATController
+from ..qat.deploy_precision import DeployPrecision
 from ..qat.distillation import DistillationConfig, Distiller
 from ..qat.policy import is_quantizable_linear
 from ..qat.scale_levers import learned_scale_parameters
@@ -82,6 +83,8 @@ class FP4QATCallback(pl.Callback):
         learned_scales: learned NVFP4 weight block scales (modelopt's LSQ; ``"post"``, ``"dual"``,
             ``"scale_only"`` or ``{"mode": ..., "lr": ...}``): the scales join the optimizer as their own
             parameter group after calibration (one process).
+        deploy_dtype: ``"float16"`` / ``"bfloat16"``: a float32 model trains its unquantized weights rounded to the
+            dtype its export holds them in (straight-through), so the checkpoint holds what trained; ``None``: off.
 
     Raises:
         ConfigError: a bad or unknown field (a :class:`QATConfig` is built here, before any training), or an export
@@ -107,6 +110,7 @@ class FP4QATCallback(pl.Callback):
         export: Any = QATConfig.export,
         cuda_nvfp4_kernel: str = QATConfig.cuda_nvfp4_kernel,
         learned_scales: Any = QATConfig.learned_scales,
+        deploy_dtype: str | None = QATConfig.deploy_dtype,
     ) -> None:
         super().__init__()
         self.config = QATConfig(
@@ -120,8 +124,10 @@ class FP4QATCallback(pl.Callback):
             export=export,
             cuda_nvfp4_kernel=cuda_nvfp4_kernel,
             learned_scales=learned_scales,
+            deploy_dtype=deploy_dtype,
         )
         self.controller = QATController.from_config(self.config, forward_fn=forward_fn)
+        self.deploy_precision = DeployPrecision(deploy_dtype) if deploy_dtype is not None else None
         self.export_dir = export_dir
         self._train_ended = False  # on_train_end ran in this fit (see on_fit_end)
         self.export = self._check_export(export)
@@ -275,11 +281,17 @@ class FP4QATCallback(pl.Callback):
         """Put back every method this callback wrapped (see :mod:`nemo_fp4qat.lightning.patches`), and the CUDA
         NVFP4 kernel setting."""
         self.patches.restore()
+        if self.deploy_precision is not None:
+            self.deploy_precision.remove()
         if self.config.cuda_nvfp4_kernel is not None:
             set_cuda_nvfp4_kernel(self._kernel_before)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         ctl = self.controller
+        if self.deploy_precision is not None and not self.deploy_precision.handles:
+            # before calibration: the scales are those of the weights the checkpoint will hold
+            n = self.deploy_precision.install(self.target_module(pl_module))
+            rank_zero_info(f"nemo_fp4qat: {n} modules train their unquantized weights in {self.config.deploy_dtype}")
         if ctl.total_steps is None:
             ctl.total_steps = self._total_steps(trainer)
             if ctl.schedule.needs_total_steps:

@@ -22,6 +22,7 @@ import torch.nn as nn
 from lightning.pytorch.utilities import rank_zero_info
 
 from ..lightning.callback import CHECKPOINT_KEY, FP4QATCallback
+from ..qat.deploy_precision import refuse_deploy_dtype
 from ..qat.distillation import DistillationConfig
 from ..qat.megatron_distillation import require_megatron_loss
 from ..qat.pipeline_parallel import every_stage, pipeline_forward, pipeline_world_size, this_stage
@@ -101,6 +102,7 @@ class NeMoFP4QATCallback(FP4QATCallback):
         # QAD is set up at on_train_start, after NeMo has restored the weights, not with the quantizers
         distillation = DistillationConfig.resolve_spec(kwargs.pop("distillation", None))
         require_megatron_loss(distillation)
+        refuse_deploy_dtype(kwargs.get("deploy_dtype"))
         super().__init__(**kwargs)
         self.qad = distillation
         self.qad_teacher_path: str | None = None  # saved with the callback state: a resume rebuilds the teacher

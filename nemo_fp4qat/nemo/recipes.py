@@ -23,6 +23,7 @@ def with_fp4_qat(
     export: Any = QATConfig.export,
     cuda_nvfp4_kernel: str | None = QATConfig.cuda_nvfp4_kernel,
     learned_scales: Any = QATConfig.learned_scales,
+    deploy_dtype: str | None = QATConfig.deploy_dtype,
     monitor: bool | dict = False,
     config: QATConfig | dict | None = None,
 ) -> Any:
@@ -35,7 +36,8 @@ def with_fp4_qat(
     Args:
         recipe: a NeMo 2 recipe (``llm.<model>.finetune_recipe(...)`` / ``pretrain_recipe``), changed in place.
         policy, schedule, calibration, distillation, share_fused_amax, log_every_n_steps, export_dir, export,
-            cuda_nvfp4_kernel, learned_scales: the :class:`QATConfig` fields.
+            cuda_nvfp4_kernel, learned_scales, deploy_dtype: the :class:`QATConfig` fields (``deploy_dtype`` is
+            refused on NeMo's megatron-core models).
         monitor: ``True`` or a dict of ``QuantizationMonitor`` arguments to add the monitor.
         config: a whole :class:`QATConfig` (or a dict of its fields) instead of the field arguments.
 
@@ -52,15 +54,17 @@ def with_fp4_qat(
     from nemo.lightning import AutoResume
 
     from ..lightning.monitor_callback import QuantizationMonitor
+    from ..qat.deploy_precision import refuse_deploy_dtype
     from .callback import NeMoFP4QATCallback
 
     if config is None:
         config = QATConfig(policy=policy, schedule=schedule, calibration=calibration, distillation=distillation,
                            share_fused_amax=share_fused_amax, log_every_n_steps=log_every_n_steps,
                            export_dir=export_dir, export=export, cuda_nvfp4_kernel=cuda_nvfp4_kernel,
-                           learned_scales=learned_scales)  # fmt: skip
+                           learned_scales=learned_scales, deploy_dtype=deploy_dtype)  # fmt: skip
     elif not isinstance(config, QATConfig):
         config = from_fields(QATConfig, config, "QATConfig")
+    refuse_deploy_dtype(config.deploy_dtype)
     # only what differs from the defaults goes into the recipe (what a reader of the job's config sees)
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(QATConfig)}
     changed = {k: v for k, v in fields.items() if v != getattr(QATConfig(), k)}

@@ -38,6 +38,7 @@ def fp4qat(
     export_tensor_parallel: int = 1,
     cuda_nvfp4_kernel: str | None = QATConfig.cuda_nvfp4_kernel,
     learned_scales: str | None = QATConfig.learned_scales,
+    deploy_dtype: str | None = QATConfig.deploy_dtype,
     monitor_every_n_steps: int = 0,
 ) -> list[pl.Callback]:
     """The QAT callback (every :class:`QATConfig` field; ``export`` as ``export_kind`` / ``export_tensor_parallel``,
@@ -46,7 +47,8 @@ def fp4qat(
                              share_fused_amax=share_fused_amax, log_every_n_steps=log_every_n_steps,
                              export_dir=export_dir,
                              export={"kind": export_kind, "tensor_parallel": export_tensor_parallel},
-                             cuda_nvfp4_kernel=cuda_nvfp4_kernel, learned_scales=learned_scales)  # fmt: skip
+                             cuda_nvfp4_kernel=cuda_nvfp4_kernel, learned_scales=learned_scales,
+                             deploy_dtype=deploy_dtype)  # fmt: skip
     monitor = QuantizationMonitor(every_n_steps=monitor_every_n_steps)
     # fiddle's auto_config (run.autoconvert) allows neither if-statements nor builtin calls:
     # repeat the monitor 0 or 1 times (a bool is 0 or 1)

@@ -16,6 +16,7 @@ from typing import Any
 from ..numerics.cpu_backend import CUDA_NVFP4_KERNELS
 from ..specs import ConfigError
 from .calibration import CalibrationConfig
+from .deploy_precision import DeployPrecision
 from .distillation import DistillationConfig
 from .policy import LayerPolicy
 from .scale_levers import LearnedScalesConfig, require_levers, uses_static_weights
@@ -75,6 +76,10 @@ class QATConfig:
             ``"dual"``, ``"scale_only"`` or a dict / :class:`~nemo_fp4qat.qat.scale_levers.LearnedScalesConfig`
             with its learning rate (``{"mode": "post", "lr": 1e-4}``); needs modelopt >= 0.46 and the
             ``direct`` schedule.
+        deploy_dtype: ``"float16"`` or ``"bfloat16"``: a float32 run trains its unquantized weights (embeddings,
+            norms, 16-bit linears) rounded to the dtype its export writes them in, straight-through, so the
+            checkpoint holds what trained (:mod:`~nemo_fp4qat.qat.deploy_precision`); ``None`` (default): off. The
+            engines' checkpoints of a float32 model hold ``"float16"``. Lightning / Hugging Face models.
 
     Raises:
         ConfigError: any field the plugin cannot use (resolved once here: unknown presets, YAML files, fields,
@@ -95,6 +100,7 @@ class QATConfig:
     export: Any = None
     cuda_nvfp4_kernel: str | None = None
     learned_scales: Any = None
+    deploy_dtype: str | None = None
 
     def __post_init__(self) -> None:
         policy = LayerPolicy.resolve_spec(self.policy)
@@ -109,6 +115,8 @@ class QATConfig:
                 f"cuda_nvfp4_kernel={self.cuda_nvfp4_kernel!r}: use one of {list(CUDA_NVFP4_KERNELS)} ('exact' trains "
                 "with the exporter's rounding, 'modelopt' with modelopt's own Triton kernel)"
             )
+        if self.deploy_dtype is not None:
+            DeployPrecision(self.deploy_dtype)  # refuses another dtype by name
         if not isinstance(self.share_fused_amax, bool):
             raise ValueError(f"share_fused_amax must be True or False, got {self.share_fused_amax!r}")
         if isinstance(self.log_every_n_steps, bool) or not isinstance(self.log_every_n_steps, int):
