@@ -67,6 +67,8 @@ class FP4QATMixin:
         super().teardown(stage)  # type: ignore[misc]
         if self._fp4qat is not None:
             self._fp4qat.patches.restore()
+            if self._fp4qat.deploy_precision is not None:
+                self._fp4qat.deploy_precision.remove()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)  # type: ignore[misc]
