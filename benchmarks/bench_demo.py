@@ -42,6 +42,7 @@ def main(report_path: str | None = None) -> dict:
     v, rec, cfg = report["variants"], report["recovery"], report["config"]
     gap = report.get("gap_to_bf16")
     mon = report.get("monitor_measure_s")
+    finetuned = v["bf16_finetuned"]["ppl"] if "bf16_finetuned" in v else None
     method = report.get("qat_method", f"plain QAT ({cfg.get('schedule')})")
     md = "\n".join([
         "## Demo (`make demo`): wall time, gap to BF16 and recovery",
@@ -69,10 +70,13 @@ def main(report_path: str | None = None) -> dict:
         f"{'met' if rec >= 0.4 else 'NOT met'}; target 0.64: {'met' if rec >= 0.64 else 'NOT met'})",
         *([f"- recovery against the recipe's own PTQ (`ptq_recipe`, the QAT stage's start): "
            f"**{report['recovery_vs_recipe_ptq']:.3f}**"] if "recovery_vs_recipe_ptq" in report else []),
-        *([f"- QAT before export (in memory, float32 throughout): perplexity {report['qat_in_memory_ppl']:.3f}, gap "
-           f"{100 * (report['qat_in_memory_ppl'] / v['bf16_finetuned']['ppl'] - 1):.1f}%. The served checkpoint is "
-           f"the one for runtime `{report.get('export_runtime')}`: its unquantized tensors (embeddings, norms, "
-           "lm_head) in float16, as the engines run them, whose rounding flips NVFP4 activation codes"]
+        *([f"- the trained weights read in float32 (in memory, before export): perplexity "
+           f"{report['qat_in_memory_ppl']:.3f}, gap {100 * (report['qat_in_memory_ppl'] / finetuned - 1):.1f}%. "
+           f"The served checkpoint (runtime `{report.get('export_runtime')}`) holds the unquantized tensors "
+           "(embeddings, norms, lm_head) in float16, as the engines run them; their rounding flips NVFP4 activation "
+           "codes. "
+           + (f"The QAT stage trained them rounded to {cfg['deploy_dtype']} (`deploy_dtype`), so the served row is "
+              "what trained" if cfg.get("deploy_dtype") else "The QAT stage trained them in float32")]
           if report.get("qat_in_memory_ppl") and "bf16_finetuned" in v else []),
         *([f"- monitor measurement at each switch and at the end (all {len(mon)}): max **{max(mon):.1f} s** "
            f"(target < 5 s: {'met' if max(mon) < 5 else 'NOT met'})"] if mon else []),
