@@ -39,3 +39,19 @@ def test_a_distillation_loss_but_kl_is_refused_by_the_nemo_callback_by_name():
     with pytest.raises(ConfigError, match="distillation loss 'jsd' runs on the Lightning"):
         NeMoFP4QATCallback(policy="default", distillation={"loss": "jsd"})
     assert NeMoFP4QATCallback(policy="default", distillation={"loss": "kl"}).qad.loss == "kl"
+
+
+def test_deploy_dtype_is_refused_on_nemo_by_name(tmp_path):
+    """NeMo's megatron-core linears and embeddings are not covered by deploy_dtype's hooks: refused, in the callback
+    and when a recipe is given it (before the job starts)."""
+    pytest.importorskip("nemo.collections.llm")
+    from nemo.collections import llm
+
+    from nemo_fp4qat.nemo import NeMoFP4QATCallback, with_fp4_qat
+
+    with pytest.raises(ValueError, match=r"deploy_dtype='float16' on a megatron-core model.*bfloat16"):
+        NeMoFP4QATCallback(policy="default", deploy_dtype="float16")
+    recipe = llm.llama32_1b.finetune_recipe(name="qat", dir=str(tmp_path), num_nodes=1, num_gpus_per_node=1,
+                                            peft_scheme=None)  # fmt: skip
+    with pytest.raises(ValueError, match="deploy_dtype='bfloat16' on a megatron-core model"):
+        with_fp4_qat(recipe, policy="default", deploy_dtype="bfloat16")
