@@ -16,8 +16,10 @@ Sections (each records its result or its error, and the run goes on):
 3. ``static``: static per-block NVFP4 and LSQ's FP4 cast (modelopt >= 0.46): this package's torch forwards on the
    CPU against the device (exact path) and modelopt's Triton kernels; one LSQ quantizer's gradients, CPU vs device.
 4. ``step``: QAT / BF16 step time and peak memory of a Llama block, with the exact kernel and with modelopt's.
-5. ``nemo``: the NeMo path is not part of this run (NeMo 2.7.3 and megatron-core exceed the 64 MiB a device run can
-   carry); it says so in the results.
+5. ``megatron``: QAD of a megatron-core GPT (local layer spec, bfloat16 on the GPU) through modelopt's megatron
+   plugin, its step time against the same model's BF16 step, and its TensorRT-LLM export validated; skipped where
+   megatron-core is not installed (the core environment; ``make gpu-wheels`` carries its 2.2 MB wheel). NeMo 2.7.3
+   itself exceeds the 64 MiB a device run can carry; its trainer is tested on the CPU.
 
 ``benchmarks/render_gpu.py`` renders the JSON into ``results/gpu_check*.md``.
 """
@@ -346,6 +348,112 @@ def _time(fn: Any, device: str, warm: int, reps: int) -> float:
     return (time.perf_counter() - t) / reps
 
 
+def megatron_qad(device: str, small: bool, work: Path) -> dict[str, Any]:
+    """QAD of a megatron-core GPT (local layer spec, Llama layout; bfloat16 on the GPU) with modelopt's megatron
+    plugin: calibration, QAD steps (KL to a frozen copy) timed against the same model's BF16 steps, and the
+    TensorRT-LLM export validated against the trained model. megatron-core travels as a wheel (``make gpu-wheels``)."""
+    try:
+        import megatron.core
+    except ImportError:
+        return {"skipped": "megatron-core is not installed here (make gpu-wheels carries its wheel)"}
+    import contextlib
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from nemo_fp4qat import QATController
+    from nemo_fp4qat.export import ExportConfig, export_checkpoint
+    from nemo_fp4qat.qat.distillation import kd_loss
+
+    # on the GPU 4 layers of the step section's width: its export and validation (on the CPU) fit the run's 8 minutes
+    layers, hidden, heads, vocab, seq, batch = (2, 64, 4, 256, 32, 2) if small else (4, 2048, 16, 32000, 1024, 4)
+    dtype = torch.float32 if small else torch.bfloat16
+    with contextlib.ExitStack() as stack:
+        if device == "cpu":  # megatron-core's CUDA assumptions answered by the CPU (nemo_fp4qat.megatron_cpu)
+            from nemo_fp4qat.megatron_cpu import CudaToCpu, megatron_core_on_cpu, torch_cuda_on_cpu
+
+            torch_cuda_on_cpu(stack)
+            megatron_core_on_cpu(stack)
+            stack.enter_context(CudaToCpu())
+        if not dist.is_initialized():
+            import socket
+
+            with socket.socket() as free:  # a port no other process holds
+                free.bind(("127.0.0.1", 0))
+                port = free.getsockname()[1]
+            dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                    rank=0, world_size=1)  # fmt: skip
+        if not ps.model_parallel_is_initialized():
+            ps.initialize_model_parallel(1, 1)
+        if device == "cuda":
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(1234)
+        cfg = TransformerConfig(
+            num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=heads // 2,
+            ffn_hidden_size=4 * hidden, gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
+            add_bias_linear=False, bf16=dtype == torch.bfloat16, params_dtype=dtype,
+            use_cpu_initialization=device == "cpu", bias_activation_fusion=False, masked_softmax_fusion=False,
+            persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+            gradient_accumulation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
+        )  # fmt: skip
+
+        def build() -> Any:
+            return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=vocab,
+                            max_sequence_length=seq, share_embeddings_and_output_weights=False).to(device)  # fmt: skip
+
+        torch.manual_seed(0)
+        model = build()
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
+        pos = torch.arange(seq, device=device).unsqueeze(0).expand(batch, -1)
+        mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), 1).view(1, 1, seq, seq)
+
+        def forward(m: Any, b: torch.Tensor) -> torch.Tensor:
+            return m(b, pos, mask)
+
+        teacher = build()  # a megatron module holds process groups: a second build, not a deep copy
+        teacher.load_state_dict(model.state_dict())
+        teacher.eval().requires_grad_(False)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        losses: list[float] = []
+
+        def step(qad: bool) -> None:
+            logits = forward(model, tokens)
+            if qad:
+                with torch.no_grad():
+                    target = forward(teacher, tokens)
+                loss = kd_loss(logits, target)
+            else:
+                loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+
+        warm, reps = (1, 2) if small else (3, 10)
+        bf16_s = _time(lambda: step(False), device, warm, reps)
+        ctl = QATController(policy="default", schedule="direct", calibration={"num_samples": batch},
+                            forward_fn=forward)  # fmt: skip
+        ctl.prepare(model)
+        ctl.calibrate(model, [tokens])
+        qad_s = _time(lambda: step(True), device, warm, reps)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+        out = export_checkpoint(model, work / "megatron_trtllm", ExportConfig(kind="trtllm", overwrite=True))
+        report = json.loads((out / "validation.json").read_text())
+    return {
+        "shape": f"{layers} layers x {hidden}, batch {batch} x {seq}, {str(dtype).replace('torch.', '')}",
+        "megatron_core": megatron.core.__version__,
+        "bf16_step_ms": 1e3 * bf16_s, "qad_step_ms": 1e3 * qad_s, "qad_over_bf16": qad_s / bf16_s,
+        "peak_gib": peak, "qad_losses": losses[-reps:],
+        "export": {"ok": report["ok"], "numeric": report.get("numeric"), "errors": report.get("errors")},
+    }  # fmt: skip
+
+
 def step_overhead(device: str, small: bool) -> dict[str, Any]:
     import modelopt.torch.quantization as mtq
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -400,7 +508,9 @@ def step_overhead(device: str, small: bool) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu", action="store_true", help="run every section on the CPU at tiny sizes")
-    p.add_argument("--only", nargs="+", choices=["parity", "static", "qad", "step"], help="run these sections only")
+    p.add_argument(
+        "--only", nargs="+", choices=["parity", "static", "qad", "step", "megatron"], help="run these sections only"
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="where gpu_check.json goes (default: $OUT)")
     args = p.parse_args(argv)
     if args.cpu:
@@ -417,8 +527,8 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "modelopt": modelopt.__version__,
         "errors": [],
-        "nemo": {"skipped": "NeMo 2.7.3 and megatron-core exceed the 64 MiB a device run can carry; the NeMo path "
-                 "(megatron local spec) is tested on the CPU (tests/nemo)"},
+        "nemo": {"skipped": "NeMo 2.7.3 exceeds the 64 MiB a device run can carry; its megatron-core path is the "
+                 "megatron section, the NeMo trainer is tested on the CPU (tests/nemo)"},
     }  # fmt: skip
     try:
         import triton
@@ -428,7 +538,8 @@ def main(argv: list[str] | None = None) -> int:
         results["triton"] = None
     sections = {"parity": lambda: parity(device, args.cpu), "static": lambda: static_parity(device, args.cpu),
                 "qad": lambda: qad(device, args.cpu, out / "qad_work"),
-                "step": lambda: step_overhead(device, args.cpu)}  # fmt: skip
+                "step": lambda: step_overhead(device, args.cpu),
+                "megatron": lambda: megatron_qad(device, args.cpu, out / "megatron_work")}  # fmt: skip
     for name, fn in sections.items():
         if args.only and name not in args.only:
             continue

@@ -171,6 +171,22 @@ def render_check(d: dict[str, Any]) -> str:
         lines.append("")
     if d.get("runs"):
         lines += [f"Runs: {d['runs']}", ""]
+    mg = d.get("megatron")
+    if mg and "skipped" in mg:
+        lines += [f"megatron-core QAD: not run here ({mg['skipped']}).", ""]
+    elif mg:
+        e = mg["export"]
+        codes = (e.get("numeric") or {}).get("fp4_codes_different", "n/a")
+        peak = f"{mg['peak_gib']:.2f}" if mg.get("peak_gib") is not None else "n/a"
+        lines += [
+            f"### megatron-core QAD (local layer spec, {mg['shape']}, megatron-core {mg['megatron_core']})",
+            "",
+            "| BF16 step (ms) | QAD step (ms) | QAD / BF16 | peak GiB | TensorRT-LLM export | FP4 codes different |",
+            "|---:|---:|---:|---:|---|---:|",
+            f"| {mg['bf16_step_ms']:.1f} | {mg['qad_step_ms']:.1f} | {mg['qad_over_bf16']:.2f} | {peak} | "
+            f"{'validated' if e['ok'] else 'FAILED'} | {codes} |",
+            "",
+        ]
     if d.get("nemo", {}).get("skipped"):
         lines += [f"NeMo path: not run here ({d['nemo']['skipped']}).", ""]
     return "\n".join(lines)

@@ -56,3 +56,28 @@ def test_megatron_gpt_nvfp4_qat_trains_on_cpu(cpu_mode):
         losses.append(float(loss))
     assert all(torch.isfinite(torch.tensor(losses)))
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
+
+
+def test_the_gpu_runs_megatron_section_rehearses_on_the_cpu(tmp_path):
+    """``benchmarks/gpu_check.py --only megatron`` (what the GPU acceptance run adds for megatron-core): QAD of a
+    megatron-core GPT through modelopt's megatron plugin, its step timed against BF16, its TensorRT-LLM export
+    validated code for code; rendered by ``render_gpu.py``."""
+    pytest.importorskip("megatron.core")
+    import json
+    import subprocess
+    import sys
+
+    from paths import ROOT, worker_env
+
+    run = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--cpu", "--only", "megatron", "--out",
+           str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(run, capture_output=True, text=True, timeout=600, env=worker_env(PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    mg = json.loads((tmp_path / "gpu_check.json").read_text())["megatron"]
+    assert mg["export"]["ok"] and mg["export"]["numeric"]["fp4_codes_different"] == 0
+    assert mg["export"]["numeric"]["fp4_codes_compared"] > 0 and mg["qad_step_ms"] > 0 and mg["bf16_step_ms"] > 0
+    assert 0 < mg["qad_losses"][-1] < 1  # the KL to the frozen copy: small, not zero (the student is quantized)
+    render = [sys.executable, str(ROOT / "benchmarks" / "render_gpu.py"), "--src", str(tmp_path / "gpu_check.json"),
+              "--dst", str(tmp_path / "gpu_check.md")]  # fmt: skip
+    assert subprocess.run(render, capture_output=True, text=True, timeout=120).returncode == 0
+    assert "### megatron-core QAD" in (tmp_path / "gpu_check.md").read_text()
