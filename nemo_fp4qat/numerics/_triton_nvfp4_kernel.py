@@ -1,12 +1,22 @@
 """The Triton kernel behind :mod:`nemo_fp4qat.numerics.triton_nvfp4` (imported only when it is first used).
 
-IEEE float32 arithmetic and integer bit operations only: no bf16 / fp8 casts, round-to-nearest
+IEEE float32 arithmetic and integer bit operations only: no bf16 / fp8 float casts, round-to-nearest
 division, negation by the sign bit, and no multiply whose result is then added (other than exact
 power-of-two scalings), so FMA contraction cannot change a result.
+
+One pass per tensor in its own dtype: the elements are read as float32 / bfloat16 / float16 and written back in
+the same dtype, so no float32 copy of the tensor exists outside the registers. bfloat16 travels as its 16 bits
+(``int16``) and is widened and rounded (to nearest, ties to even, as torch's cast) by bit operations: triton's
+interpreter, on which the kernel is tested, truncates a float32 -> bfloat16 cast where the GPU rounds.
 """
 
 import triton
 import triton.language as tl
+
+# element dtypes (the ``DTYPE`` constant): float32, bfloat16 as its int16 bits, float16
+F32: tl.constexpr = 0
+BF16_BITS: tl.constexpr = 1
+F16: tl.constexpr = 2
 
 
 @triton.jit
@@ -33,14 +43,44 @@ def _round_minifloat(a, M: tl.constexpr, EMIN: tl.constexpr, FMAX: tl.constexpr)
 
 
 @triton.jit
-def nvfp4_fake_quant_kernel(x_ptr, y_ptr, amax_ptr, nblk, BLOCK: tl.constexpr, BPP: tl.constexpr):
-    """``y = NVFP4(x)`` for ``nblk`` contiguous float32 blocks of ``BLOCK``; ``BPP`` blocks per program."""
+def _widen(raw, DTYPE: tl.constexpr):
+    # the loaded elements as float32 (exact for every input dtype)
+    if DTYPE == BF16_BITS:
+        return (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return raw.to(tl.float32)
+
+
+@triton.jit
+def _narrow(y, DTYPE: tl.constexpr):
+    # float32 results in the stored dtype, rounded to nearest, ties to even (NaN stays a quiet NaN)
+    if DTYPE == BF16_BITS:
+        u = y.to(tl.int32, bitcast=True)
+        rounded = ((u + (0x7FFF + ((u >> 16) & 1))) >> 16) & 0xFFFF
+        nan = (u & 0x7FFFFFFF) > 0x7F800000
+        return tl.where(nan, 0x7FC0, rounded).to(tl.int16)
+    elif DTYPE == F16:
+        return y.to(tl.float16)
+    else:
+        return y
+
+
+@triton.jit
+def nvfp4_fake_quant_kernel(
+    x_ptr, y_ptr, amax_ptr, n_cols, blocks_per_row, nblk, BLOCK: tl.constexpr, BPP: tl.constexpr,
+    DTYPE: tl.constexpr,
+):  # fmt: skip
+    """``y = NVFP4(x)`` for a contiguous ``(rows, n_cols)`` tensor, blocks of ``BLOCK`` along each row (a partial
+    last block of a row reads zeros past its end); ``BPP`` blocks per program, ``nblk`` blocks in all."""
     pid = tl.program_id(0)
-    rows = pid * BPP + tl.arange(0, BPP)
-    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    mask = rows[:, None] < nblk
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    amax = tl.load(amax_ptr)
+    blk = pid * BPP + tl.arange(0, BPP)
+    row = blk // blocks_per_row
+    col = (blk % blocks_per_row) * BLOCK
+    cols = col[:, None] + tl.arange(0, BLOCK)[None, :]
+    offs = row.to(tl.int64)[:, None] * n_cols + cols
+    mask = (blk[:, None] < nblk) & (cols < n_cols)
+    x = _widen(tl.load(x_ptr + offs, mask=mask, other=0), DTYPE)
+    amax = tl.load(amax_ptr).to(tl.float32)
     gs = tl.math.div_rn(amax, 2688.0)  # amax / (6 * 448)
     valid = (gs > 0.0) & (gs < float("inf"))
     gs_safe = tl.where(valid, gs, 1.0)
@@ -58,4 +98,4 @@ def nvfp4_fake_quant_kernel(x_ptr, y_ptr, amax_ptr, nblk, BLOCK: tl.constexpr, B
     neg_q = (q.to(tl.int32, bitcast=True) | -2147483648).to(tl.float32, bitcast=True)
     y = tl.where(x < 0.0, neg_q, q)
     y = tl.where(x == x, y, x)
-    tl.store(y_ptr + offs, y, mask=mask)
+    tl.store(y_ptr + offs, _narrow(y, DTYPE), mask=mask)

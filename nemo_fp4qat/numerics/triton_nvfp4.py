@@ -15,10 +15,12 @@ export path) computes, in explicit IEEE float32 arithmetic and integer bit opera
   then ``* s``; NaN stays NaN; every multiplication is by an exact power of two or stands alone, so
   contraction into FMA cannot change a result.
 
-The input is converted to float32 before the kernel and the result back to the input's dtype after
-it (torch's round-to-nearest-even casts, as the CPU path does), so the kernel never casts through
-bf16 or fp8 and Triton's interpreter (``TRITON_INTERPRET=1``) runs it as IEEE float32 on CPU tensors,
-which is how it is tested without a GPU.
+One pass per tensor: float32, bfloat16 and float16 tensors are read and written in their own dtype (widened to
+float32 in registers, the results rounded to nearest-even as torch's cast rounds, so they equal the CPU path's
+float32 results cast back), a partial last block of a row reads zeros past the row's end, and a calibrated amax is
+read by the kernel where it lies. The kernel never casts through fp8, and bfloat16 is rounded by bit operations,
+so Triton's interpreter (``TRITON_INTERPRET=1``) computes on CPU tensors what the GPU computes, which is how it is
+tested without a GPU.
 
 Written by hand because neither modelopt nor any other library ships an NVFP4 fake quant that
 rounds like modelopt's exporter on a GPU. ``triton`` is imported only when the kernel is first used.
@@ -36,6 +38,8 @@ __all__ = ["triton_available", "triton_nvfp4"]
 # Blocks handled by one program instance: 64 on a GPU; more under the interpreter, whose cost is per program.
 _BLOCKS_PER_PROGRAM = 64
 _BLOCKS_PER_PROGRAM_INTERPRETED = 1024
+# the kernel's element dtypes (its DTYPE constant); other float dtypes are computed in float32
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def triton_available() -> bool:
@@ -86,22 +90,28 @@ def triton_nvfp4(x: torch.Tensor, amax: torch.Tensor | float | None, block_size:
     if block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"triton_nvfp4 needs a power-of-two block size (NVFP4 uses 16), got {block_size}")
     n = x.shape[-1] if x.dim() > 0 else 1
-    xf = x.detach().reshape(-1, n).to(torch.float32)
-    if amax is None:
-        amax_t = torch.nan_to_num(xf.abs(), nan=0.0, posinf=float("inf")).amax()
-    else:
-        amax_t = torch.as_tensor(amax, device=x.device)
-        amax_t = amax_t.amax() if amax_t.numel() > 1 else amax_t.reshape(())
-    amax_t = amax_t.to(device=x.device, dtype=torch.float32).reshape(1).contiguous()
-    pad = (-n) % block_size
-    if pad:
-        xf = torch.nn.functional.pad(xf, (0, pad))
-    xf = xf.contiguous()
-    y = torch.empty_like(xf)
-    nblk = xf.numel() // block_size
+    xc = x.detach().contiguous()
+    if xc.dtype not in _DTYPE_CODES:
+        xc = xc.float()
+    y = torch.empty_like(xc)
+    amax_t = _amax_operand(xc, amax)
+    blocks_per_row = -(-n // block_size)
+    nblk = (xc.numel() // n if n else 0) * blocks_per_row
     if nblk:
+        code = _DTYPE_CODES[xc.dtype]
+        xv, yv = (xc.view(torch.int16), y.view(torch.int16)) if xc.dtype == torch.bfloat16 else (xc, y)
         bpp = _BLOCKS_PER_PROGRAM_INTERPRETED if _interpreting() else _BLOCKS_PER_PROGRAM
-        _kernel()[(-(-nblk // bpp),)](xf, y, amax_t, nblk, BLOCK=block_size, BPP=bpp)
-    if pad:
-        y = y[:, :n]
-    return y.reshape(x.shape).to(x.dtype)
+        _kernel()[(-(-nblk // bpp),)](xv, yv, amax_t, n, blocks_per_row, nblk, BLOCK=block_size, BPP=bpp,
+                                      DTYPE=code)  # fmt: skip
+    return y.to(x.dtype)
+
+
+def _amax_operand(x: torch.Tensor, amax: torch.Tensor | float | None) -> torch.Tensor:
+    """The per-tensor amax as a one-element tensor on ``x``'s device, read by the kernel as float32: a calibrated
+    one-element amax is passed as it is (no arithmetic, no copy), any other is reduced first."""
+    if amax is None:
+        return torch.nan_to_num(x.abs(), nan=0.0, posinf=float("inf")).amax().float().reshape(1)
+    if isinstance(amax, torch.Tensor) and amax.device == x.device and amax.numel() == 1 and amax.dtype == torch.float32:
+        return amax if amax.is_contiguous() else amax.contiguous()
+    t = torch.as_tensor(amax, device=x.device)
+    return (t.amax() if t.numel() > 1 else t.reshape(())).to(torch.float32).reshape(1)

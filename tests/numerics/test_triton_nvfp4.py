@@ -172,3 +172,34 @@ def test_refuses_cpu_tensors_outside_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(ValueError, match="power-of-two"):
         triton_nvfp4(torch.ones(24), None, block_size=12)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_one_pass_in_the_tensors_own_dtype(dtype, monkeypatch):
+    """The kernel reads and writes the tensor in its own dtype (bfloat16 as its bits) and reads a calibrated
+    float32 amax where it lies, with no float32 copy or padded copy of the tensor; rows whose width is not a
+    multiple of 16 and non-contiguous inputs give what the C kernel gives."""
+    from nemo_fp4qat.numerics import triton_nvfp4 as tn
+
+    launches = []
+    real = tn._kernel()
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append(args)
+                return real[grid](*args, **kw)
+
+            return launch
+
+    monkeypatch.setattr(tn, "_kernel", lambda: Spy())
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(3, 37, 50, generator=g) * 4).to(dtype)
+    amax = x.float().abs().amax().reshape(1) * 0.8
+    got = triton_nvfp4(x, amax)
+    xa, ya, aa = launches[-1][:3]
+    assert xa.dtype == (torch.int16 if dtype == torch.bfloat16 else dtype) and xa.numel() == x.numel()
+    assert ya.dtype == xa.dtype and aa is amax
+    assert _bits_equal(got, _kernels(x, amax)["c"])
+    xt = x.transpose(1, 2)  # non-contiguous: blocks along its own last dimension
+    assert _bits_equal(triton_nvfp4(xt, amax), _kernels(xt.contiguous(), amax)["c"])
