@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..numerics.weight_reuse import WeightReuse
 from ..qat.batches import collect_batches
 from ..qat.config import QATConfig
 from ..qat.controller import QATController
@@ -206,6 +207,7 @@ class FP4QATBridgeCallback(_BridgeCallback):
             )
         self._default_export: dict[str, Any] = {"kind": "trtllm"}
         self.distiller: MegatronDistiller | None = None
+        self.weight_reuse = WeightReuse()  # each weight's fake quant reused across an optimizer step's micro-batches
         self._teacher_saved = False
         self.calibration_data = calibration_data
         self.resuming = False
@@ -321,6 +323,7 @@ class FP4QATBridgeCallback(_BridgeCallback):
             self._start_distillation(model, resumed=self.resuming and step > 0)
         if self.calibration_data is not None and self.needs_calibration:
             self._calibrate(model, self.calibration_data)
+        self.weight_reuse.start()
 
     def _start_distillation(self, student: nn.Module, resumed: bool) -> None:
         assert self.qad is not None
@@ -411,6 +414,7 @@ class FP4QATBridgeCallback(_BridgeCallback):
             log.info("nemo_fp4qat: QAT state restored from %s (step %d)", path.parent, step)
 
     def on_train_end(self, context: Any) -> None:
+        self.weight_reuse.stop()
         if self.distiller is not None:
             self.distiller.remove()
             self.distiller = None

@@ -28,6 +28,7 @@ import torch.nn as nn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from ..numerics.cpu_backend import set_cuda_nvfp4_kernel
+from ..numerics.weight_reuse import WeightReuse, clear_weight_reuse
 from ..qat.calibration import collect_batches
 from ..qat.config import QATConfig
 from ..qat.controller import QATController
@@ -138,6 +139,7 @@ class FP4QATCallback(pl.Callback):
         self.distiller: Distiller | None = None
         self._prepared = False
         self._kernel_before: str | None = None
+        self.weight_reuse = WeightReuse()  # each weight's fake quant reused across an optimizer step's micro-batches
         self.patches = MethodPatches()
 
     @classmethod
@@ -283,10 +285,21 @@ class FP4QATCallback(pl.Callback):
         self.patches.restore()
         if self.deploy_precision is not None:
             self.deploy_precision.remove()
+        self.weight_reuse.stop()
         if self.config.cuda_nvfp4_kernel is not None:
             set_cuda_nvfp4_kernel(self._kernel_before)
 
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        clear_weight_reuse()  # callbacks that swap in other weights (EMA, SWA) write them through .data
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        clear_weight_reuse()
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._on_train_start(trainer, pl_module)
+        self.weight_reuse.start()
+
+    def _on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         ctl = self.controller
         if self.deploy_precision is not None and not self.deploy_precision.handles:
             # before calibration: the scales are those of the weights the checkpoint will hold
@@ -348,6 +361,7 @@ class FP4QATCallback(pl.Callback):
                 pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.weight_reuse.stop()
         ctl = self.controller
         if ctl.table is None:
             return

@@ -67,6 +67,7 @@ class FP4QATMixin:
         super().teardown(stage)  # type: ignore[misc]
         if self._fp4qat is not None:
             self._fp4qat.patches.restore()
+            self._fp4qat.weight_reuse.stop()
             if self._fp4qat.deploy_precision is not None:
                 self._fp4qat.deploy_precision.remove()
 

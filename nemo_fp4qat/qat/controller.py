@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from ..numerics.formats import QuantFormat, get_format
+from ..numerics.weight_reuse import clear_weight_reuse
 from .block_scale_search import DEFAULT_MIN_RATIO, BlockClip, clip_nvfp4_weights, input_second_moments
 from .calibration import CalibrationConfig, default_forward, run_calibration, sync_amax_across_ranks
 from .config import QATConfig, check_levers
@@ -256,6 +257,7 @@ class QATController:
                      len(learned) // len(self.learned_scales.learnable_amax), self.learned_scales.mode,
                      self.learned_scales.lr)  # fmt: skip
         self.calibrated = True
+        clear_weight_reuse()  # amax, and the weights smoothing / GPTQ / the block search wrote, are new
 
     def _search_block_scales(self, model: nn.Module, modules: set[str] | None) -> None:
         bss = self.calibration.block_scale_search
@@ -347,6 +349,7 @@ class QATController:
                             self._drop_ramp_hook(qname)
                             self.ramps[qname] = {"start": step, "old": old[m][idx]}
             self.attach(model)
+            clear_weight_reuse()  # recalibrated amax and searched weights were written in place
         self._expire_ramps(model)
         return events
 
