@@ -3,23 +3,30 @@
     python benchmarks/gpu_check.py            # on the GPU machine (make gpu-check); writes $OUT/gpu_check.json
     python benchmarks/gpu_check.py --cpu      # the same sections on the CPU, tiny sizes (the test suite runs it)
 
-Sections (each records its result or its error, and the run goes on):
+Sections, in this order (each records its result or its error, and the run goes on; a section that would start
+after ``--budget-s`` seconds is recorded as skipped, to be run with ``--only``):
 
-1. ``parity``: NVFP4 / MXFP4 / MXFP6 / MXFP8 / FP8 fake quant of the same tensors by this package's CPU kernel (equal
-   to modelopt's exporter) and, per format, by modelopt's CUDA kernel and this package's exact CUDA path (the Triton
-   NVFP4 kernel; FP8: torch's division by the exported scale): elements that differ from the CPU kernel. With
-   ``--cpu`` the exact kernel runs in triton's interpreter and modelopt's CUDA kernels are not run.
-2. ``qad``: QAD of the embedded SmolLM2-135M on the device (the Lightning path: ``FP4QATCallback`` with
+1. ``step``, ``step_1b``, ``step_accum``: QAT / BF16 optimizer-step time and peak memory of a Llama with the exact
+   kernel and with modelopt's: 8 layers x 2048 at batch 4 x 1024 (the first GPU run's shape), a 1B-class 16 x 2048
+   at sequence 4096, and 8 x 2048 with 4 micro-batches of 1 x 1024 per step (gradient accumulation: each weight's
+   fake quant computed once per step and reused, as the plugin's callbacks do while training).
+2. ``profile``: one step of each variant under torch's profiler: kernel time by category (fake quant, matrix
+   products, attention, amax and reductions, casts and copies, optimizer, other), kernels launched, and the fake
+   quant of the step's weights and of inputs of the step's shapes timed alone.
+3. ``megatron``: QAD of a megatron-core GPT (local layer spec, bfloat16 on the GPU) through modelopt's megatron
+   plugin, its step time against the same model's BF16 step, and its TensorRT-LLM export validated; skipped where
+   megatron-core is not installed (the core environment; ``make gpu-wheels`` carries its 2.4 MB wheel). NeMo 2.7.3
+   itself exceeds the 64 MiB a device run can carry; its trainer is tested on the CPU.
+4. ``qad``: QAD of the embedded SmolLM2-135M on the device (the Lightning path: ``FP4QATCallback`` with
    ``distillation="qad"``, default policy, direct schedule; ``--cpu``: a tiny random Llama) -> TensorRT-LLM and
    unified HF export, each validated against the trained model (FP4 codes that differ, with the exact kernel and,
    on a GPU, with modelopt's kernel) -> perplexity of the deployed export on the device and on the CPU.
-3. ``static``: static per-block NVFP4 and LSQ's FP4 cast (modelopt >= 0.46): this package's torch forwards on the
+5. ``parity``: NVFP4 / MXFP4 / MXFP6 / MXFP8 / FP8 fake quant of the same tensors by this package's CPU kernel (equal
+   to modelopt's exporter) and, per format, by modelopt's CUDA kernel and this package's exact CUDA path (the Triton
+   NVFP4 kernel; FP8: torch's division by the exported scale): elements that differ from the CPU kernel. With
+   ``--cpu`` the exact kernel runs in triton's interpreter and modelopt's CUDA kernels are not run.
+6. ``static``: static per-block NVFP4 and LSQ's FP4 cast (modelopt >= 0.46): this package's torch forwards on the
    CPU against the device (exact path) and modelopt's Triton kernels; one LSQ quantizer's gradients, CPU vs device.
-4. ``step``: QAT / BF16 step time and peak memory of a Llama block, with the exact kernel and with modelopt's.
-5. ``megatron``: QAD of a megatron-core GPT (local layer spec, bfloat16 on the GPU) through modelopt's megatron
-   plugin, its step time against the same model's BF16 step, and its TensorRT-LLM export validated; skipped where
-   megatron-core is not installed (the core environment; ``make gpu-wheels`` carries its 2.2 MB wheel). NeMo 2.7.3
-   itself exceeds the 64 MiB a device run can carry; its trainer is tested on the CPU.
 
 ``benchmarks/render_gpu.py`` renders the JSON into ``results/gpu_check*.md``.
 """
@@ -454,46 +461,84 @@ def megatron_qad(device: str, small: bool, work: Path) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def step_overhead(device: str, small: bool) -> dict[str, Any]:
-    import modelopt.torch.quantization as mtq
-    from transformers import LlamaConfig, LlamaForCausalLM
+# Step shapes: the first run's (8 layers x 2048, batch 4 x 1024) and a 1B-class Llama (16 x 2048, sequence 4096).
+STEP_SHAPES: dict[str, dict[str, Any]] = {
+    "step": {"layers": 8, "batch": (4, 1024), "accumulate": 1},
+    "step_1b": {"layers": 16, "batch": (1, 4096), "accumulate": 1},
+    # gradient accumulation: 4 micro-batches per optimizer step, each weight's fake quant reused across them
+    "step_accum": {"layers": 8, "batch": (1, 1024), "accumulate": 4},
+}
 
-    from nemo_fp4qat.numerics.cpu_backend import set_cuda_nvfp4_kernel
+
+def _step_model(device: str, small: bool, layers: int, batch: tuple[int, int]) -> tuple[Any, Any, Any]:
+    from transformers import LlamaConfig
 
     if small:
         cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
-        shape, warm, reps, dtype = (2, 64), 1, 2, torch.float32
+        shape, dtype = (batch[0], 64), torch.float32
     else:
-        cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
-                          num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048)  # fmt: skip
-        shape, warm, reps, dtype = (4, 1024), 3, 10, torch.bfloat16
-    tokens = torch.randint(0, cfg.vocab_size, shape, device=device)
-    out: dict[str, Any] = {"model": f"Llama {cfg.num_hidden_layers}x{cfg.hidden_size}, batch {shape[0]}x{shape[1]}",
-                           "dtype": str(dtype).replace("torch.", "")}  # fmt: skip
+        cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers,
+                          num_attention_heads=16, num_key_value_heads=4,
+                          max_position_embeddings=max(2048, batch[1]))  # fmt: skip
+        shape, dtype = batch, torch.bfloat16
+    tokens = torch.randint(0, cfg.vocab_size, shape, device=device, generator=None)
+    return cfg, tokens, dtype
+
+
+def _build_variant(cfg: Any, tokens: torch.Tensor, device: str, dtype: torch.dtype, variant: str) -> Any:
+    import modelopt.torch.quantization as mtq
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
+    if variant != "bf16":
+        mtq.quantize(model, mtq.NVFP4_DEFAULT_CFG, lambda m: m(tokens[:1, : min(256, tokens.shape[1])]))
+    return model
+
+
+def step_overhead(device: str, small: bool, layers: int = 8, batch: tuple[int, int] = (4, 1024),
+                  accumulate: int = 1) -> dict[str, Any]:  # fmt: skip
+    """QAT / BF16 optimizer-step time and peak memory; ``accumulate`` micro-batches per step (the QAT variants reuse
+    each weight's fake quant across them, as the plugin's callbacks do while training)."""
+    from nemo_fp4qat.numerics.cpu_backend import set_cuda_nvfp4_kernel
+    from nemo_fp4qat.numerics.weight_reuse import reuse_weight_fake_quant, weight_reuse_stats
+
+    cfg, tokens, dtype = _step_model(device, small, layers, batch)
+    warm, reps = (1, 2) if small else (3, 10)
+    shape = tuple(tokens.shape)
+    acc = f", {accumulate} micro-batches per step" if accumulate > 1 else ""
+    model_name = f"Llama {cfg.num_hidden_layers}x{cfg.hidden_size}, batch {shape[0]}x{shape[1]}{acc}"
+    out: dict[str, Any] = {"model": model_name, "dtype": str(dtype).replace("torch.", ""), "accumulate": accumulate}
     for variant in ("bf16", "qat_exact", "qat_modelopt"):
         if variant == "qat_modelopt" and device == "cpu":
             out[variant] = {"skipped": "modelopt's NVFP4 kernel runs on CUDA only"}
             continue
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
         previous = set_cuda_nvfp4_kernel("modelopt" if variant == "qat_modelopt" else "exact")
+        reuse = variant != "bf16"
         try:
-            if variant != "bf16":
-                mtq.quantize(model, mtq.NVFP4_DEFAULT_CFG, lambda m: m(tokens[:1, : min(256, shape[1])]))
+            model = _build_variant(cfg, tokens, device, dtype, variant)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
             def step(model=model, opt=opt):
-                model(tokens, labels=tokens).loss.backward()
+                for _ in range(accumulate):
+                    model(tokens, labels=tokens).loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
 
             if device != "cpu":
                 torch.cuda.reset_peak_memory_stats()
+            if reuse:
+                reuse_weight_fake_quant(True)
+                weight_reuse_stats(reset=True)
             out[variant] = {"step_s": _time(step, device, warm, reps)}
+            if reuse:
+                out[variant]["weight_fake_quant"] = weight_reuse_stats(reset=True)
             if device != "cpu":
                 out[variant]["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         finally:
+            if reuse:
+                reuse_weight_fake_quant(False)
             set_cuda_nvfp4_kernel(previous)
         log(variant, out[variant])
         del model, opt
@@ -505,12 +550,125 @@ def step_overhead(device: str, small: bool) -> dict[str, Any]:
     return out
 
 
+# kernel (GPU) or operator (CPU) names -> where a QAT step's time goes; first match wins
+_PROFILE_CATEGORIES = (
+    ("fake quant kernels", ("fake_quant", "fp4", "e4m3", "quant", "nvfp4")),
+    ("matrix products", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm",
+                         "aten::linear", "aten::matmul")),
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("amax and reductions", ("reduce", "amax", "aten::max", "aten::abs", "aten::sum", "aten::mean")),
+    ("casts and copies", ("copy", "cast", "convert", "aten::to", "aten::_to_copy", "aten::clone", "aten::contiguous")),
+    ("optimizer", ("multi_tensor", "adam", "foreach")),
+)  # fmt: skip
+
+
+def _category(name: str) -> str:
+    low = name.lower()
+    for cat, keys in _PROFILE_CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "other elementwise"
+
+
+def _tensor_fake_quant_ms(model: Any, tokens: torch.Tensor, device: str, kernel: str) -> dict[str, float]:
+    """The fake quant of the step's tensors alone: every quantized linear's weight, and an input of each linear's
+    shape (tokens x in-features), timed op by op with the kernel the step uses (forward only; the backward is
+    modelopt's straight-through estimator)."""
+    from modelopt.torch.quantization import tensor_quant
+
+    from nemo_fp4qat.numerics.cpu_backend import set_cuda_nvfp4_kernel
+
+    weights, inputs = [], []
+    n_tok = tokens.numel()
+    for m in model.modules():
+        q = getattr(m, "weight_quantizer", None)
+        if q is None or not getattr(q, "is_enabled", False):
+            continue
+        weights.append((m.weight.detach(), q._get_amax(m.weight)))
+        iq = m.input_quantizer
+        x = torch.randn(n_tok, m.weight.shape[1], device=device, dtype=m.weight.dtype)
+        inputs.append((x, iq._get_amax(x)))
+    previous = set_cuda_nvfp4_kernel(kernel)
+    try:
+        out = {}
+        for what, pairs in (("weights", weights), ("inputs", inputs)):
+
+            def run(pairs=pairs):
+                for t, amax in pairs:
+                    tensor_quant.dynamic_block_quantize_op(t, 16, amax, 4, 2, 8, 4)
+
+            out[f"{what}_ms"] = 1e3 * _time(run, device, 1, 3)
+            out[f"{what}_elements"] = sum(t.numel() for t, _ in pairs)
+    finally:
+        set_cuda_nvfp4_kernel(previous)
+    return out
+
+
+def profile_step(device: str, small: bool) -> dict[str, Any]:
+    """One optimizer step under torch's profiler, per variant: kernel (GPU) or operator (CPU) self time by category,
+    kernel launches, and the fake quant of the step's weights and inputs timed alone."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from nemo_fp4qat.numerics.cpu_backend import set_cuda_nvfp4_kernel
+
+    cfg, tokens, dtype = _step_model(device, small, 8, (4, 1024))
+    model_name = f"Llama {cfg.num_hidden_layers}x{cfg.hidden_size}, batch {tokens.shape[0]}x{tokens.shape[1]}"
+    out: dict[str, Any] = {"model": model_name, "dtype": str(dtype).replace("torch.", "")}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device != "cpu" else [])
+    for variant in ("bf16", "qat_exact", "qat_modelopt"):
+        if variant == "qat_modelopt" and device == "cpu":
+            out[variant] = {"skipped": "modelopt's NVFP4 kernel runs on CUDA only"}
+            continue
+        previous = set_cuda_nvfp4_kernel("modelopt" if variant == "qat_modelopt" else "exact")
+        try:
+            model = _build_variant(cfg, tokens, device, dtype, variant)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+            def step(model=model, opt=opt):
+                model(tokens, labels=tokens).loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            _time(step, device, 2, 1)
+            with profile(activities=activities) as prof:
+                step()
+                if device != "cpu":
+                    torch.cuda.synchronize()
+        finally:
+            set_cuda_nvfp4_kernel(previous)
+        by_cat: dict[str, float] = {}
+        launches = 0
+        for e in prof.key_averages():
+            t = e.self_device_time_total if device != "cpu" else e.self_cpu_time_total
+            if t <= 0 or (device == "cpu" and not e.key.startswith("aten::")):
+                continue
+            launches += e.count
+            by_cat[_category(e.key)] = by_cat.get(_category(e.key), 0.0) + t / 1e3
+        rec: dict[str, Any] = {"ms_by_category": by_cat, "ms_total": sum(by_cat.values()),
+                               "kernels" if device != "cpu" else "operators": launches}  # fmt: skip
+        if variant != "bf16":
+            rec["fake_quant_alone"] = _tensor_fake_quant_ms(
+                model, tokens, device, "modelopt" if variant == "qat_modelopt" else "exact"
+            )
+        out[variant] = rec
+        log(variant, rec)
+        del model, opt
+        if device != "cpu":
+            torch.cuda.empty_cache()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu", action="store_true", help="run every section on the CPU at tiny sizes")
     p.add_argument(
-        "--only", nargs="+", choices=["parity", "static", "qad", "step", "megatron"], help="run these sections only"
+        "--only",
+        nargs="+",
+        choices=[*STEP_SHAPES, "profile", "megatron", "qad", "parity", "static"],
+        help="run these sections only",
     )
+    p.add_argument("--budget-s", type=float, default=420.0,
+                   help="start no section after this many seconds (8 minutes a device run, less set-up)")  # fmt: skip
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="where gpu_check.json goes (default: $OUT)")
     args = p.parse_args(argv)
     if args.cpu:
@@ -536,12 +694,24 @@ def main(argv: list[str] | None = None) -> int:
         results["triton"] = triton.__version__
     except ImportError:
         results["triton"] = None
-    sections = {"parity": lambda: parity(device, args.cpu), "static": lambda: static_parity(device, args.cpu),
-                "qad": lambda: qad(device, args.cpu, out / "qad_work"),
-                "step": lambda: step_overhead(device, args.cpu),
-                "megatron": lambda: megatron_qad(device, args.cpu, out / "megatron_work")}  # fmt: skip
+    # the step measurements first: a run cut short by its time budget still answers the speed question
+    sections: dict[str, Any] = {
+        name: (lambda shape=shape: step_overhead(device, args.cpu, shape["layers"], shape["batch"],
+                                                 shape["accumulate"]))
+        for name, shape in STEP_SHAPES.items()
+    }  # fmt: skip
+    sections |= {"profile": lambda: profile_step(device, args.cpu),
+                 "megatron": lambda: megatron_qad(device, args.cpu, out / "megatron_work"),
+                 "qad": lambda: qad(device, args.cpu, out / "qad_work"),
+                 "parity": lambda: parity(device, args.cpu),
+                 "static": lambda: static_parity(device, args.cpu)}  # fmt: skip
+    started = time.time()
     for name, fn in sections.items():
         if args.only and name not in args.only:
+            continue
+        if time.time() - started > args.budget_s:
+            results[name] = {"skipped": f"the run's time budget ({args.budget_s:.0f} s) was spent; run it with "
+                                        f"--only {name}"}  # fmt: skip
             continue
         t = time.time()
         try:

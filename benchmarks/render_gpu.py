@@ -156,19 +156,47 @@ def render_check(d: dict[str, Any]) -> str:
             lines.append(f"| {kind} | {e['validated']} | {e['fp4_codes_compared']} | {e['fp4_codes_different_exact']} "
                          f"| {mo} | {e['ppl_device']:.3f} | {e['ppl_cpu']:.3f} |")  # fmt: skip
         lines.append("")
-    st = d.get("step")
-    if st:
-        lines += [f"Step time ({st['model']}, {st['dtype']}):", "",
-                  "| variant | step (ms) | / BF16 | peak memory (GiB) |", "|---|---:|---:|---:|"]  # fmt: skip
-        for v in ("bf16", "qat_exact", "qat_modelopt"):
-            r = st.get(v, {})
-            if "step_s" not in r:
-                lines.append(f"| {v} | not run | | |")
-                continue
-            ratio = st.get(f"step_ratio_{v}", 1.0)
-            mem = f"{r['peak_mem_gib']:.2f}" if "peak_mem_gib" in r else "n/a"
-            lines.append(f"| {v} | {1e3 * r['step_s']:.1f} | {ratio:.2f} | {mem} |")
+    for key in ("step", "step_1b", "step_accum"):
+        st = d.get(key)
+        if st and "skipped" in st:
+            lines += [f"Step time (`{key}`): not run ({st['skipped']}).", ""]
+        elif st:
+            lines += [f"Step time ({st['model']}, {st['dtype']}):", "",
+                      "| variant | step (ms) | / BF16 | peak memory (GiB) |", "|---|---:|---:|---:|"]  # fmt: skip
+            for v in ("bf16", "qat_exact", "qat_modelopt"):
+                r = st.get(v, {})
+                if "step_s" not in r:
+                    lines.append(f"| {v} | not run | | |")
+                    continue
+                ratio = st.get(f"step_ratio_{v}", 1.0)
+                mem = f"{r['peak_mem_gib']:.2f}" if "peak_mem_gib" in r else "n/a"
+                lines.append(f"| {v} | {1e3 * r['step_s']:.1f} | {ratio:.2f} | {mem} |")
+            lines.append("")
+    pr = d.get("profile")
+    if pr and "skipped" in pr:
+        lines += [f"Profile: not run ({pr['skipped']}).", ""]
+    elif pr:
+        variants = [v for v in ("bf16", "qat_exact", "qat_modelopt") if "ms_by_category" in pr.get(v, {})]
+        cats = sorted({c for v in variants for c in pr[v]["ms_by_category"]},
+                      key=lambda c: -max(pr[v]["ms_by_category"].get(c, 0.0) for v in variants))  # fmt: skip
+        unit = "kernels" if "kernels" in pr[variants[0]] else "operators"
+        lines += [f"One step under torch's profiler ({pr['model']}, {pr['dtype']}), self time by category (ms):", "",
+                  "| category | " + " | ".join(variants) + " |", "|---|" + "---:|" * len(variants)]  # fmt: skip
+        for c in cats:
+            lines.append(f"| {c} | " + " | ".join(f"{pr[v]['ms_by_category'].get(c, 0.0):.2f}" for v in variants)
+                         + " |")  # fmt: skip
+        lines.append("| **total** | " + " | ".join(f"{pr[v]['ms_total']:.2f}" for v in variants) + " |")
+        lines.append(f"| {unit} launched | " + " | ".join(str(pr[v][unit]) for v in variants) + " |")
         lines.append("")
+        alone = [(v, pr[v]["fake_quant_alone"]) for v in variants if "fake_quant_alone" in pr[v]]
+        if alone:
+            lines += ["The step's fake quant timed alone (forward; the backward is a straight-through pass):", "",
+                      "| kernel | weights (ms) | weight elements | inputs (ms) | input elements |",
+                      "|---|---:|---:|---:|---:|"]  # fmt: skip
+            for v, a in alone:
+                lines.append(f"| {v} | {a['weights_ms']:.2f} | {a['weights_elements']} | {a['inputs_ms']:.2f} | "
+                             f"{a['inputs_elements']} |")  # fmt: skip
+            lines.append("")
     if d.get("runs"):
         lines += [f"Runs: {d['runs']}", ""]
     mg = d.get("megatron")

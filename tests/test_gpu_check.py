@@ -38,8 +38,16 @@ def test_gpu_check_runs_end_to_end_on_the_cpu_and_renders(tmp_path):
         assert e["fp4_codes_compared"] > 0 and e["fp4_codes_different_exact"] == 0
         assert abs(e["ppl_cpu"] / q["trained_ppl"] - 1) < 1e-3, (kind, e["ppl_cpu"], q["trained_ppl"])
 
-    st = d["step"]
-    assert st["bf16"]["step_s"] > 0 and st["qat_exact"]["step_s"] > 0 and "skipped" in st["qat_modelopt"]
+    for key in ("step", "step_1b", "step_accum"):
+        st = d[key]
+        assert st["bf16"]["step_s"] > 0 and st["qat_exact"]["step_s"] > 0 and "skipped" in st["qat_modelopt"]
+    # 4 micro-batches per step: each weight quantized once per step, reused by the other 3
+    fq = d["step_accum"]["qat_exact"]["weight_fake_quant"]
+    assert fq["computed"] > 0 and fq["reused"] == 3 * fq["computed"]
+    pr = d["profile"]
+    assert pr["bf16"]["ms_by_category"]["matrix products"] > 0 and pr["qat_exact"]["operators"] > 0
+    alone = pr["qat_exact"]["fake_quant_alone"]
+    assert alone["weights_elements"] > 0 and alone["inputs_ms"] > 0
     assert "skipped" in d["nemo"]
     assert "skipped" in d["megatron"]  # no megatron-core in this environment (the nemo one runs the section)
 
@@ -50,3 +58,14 @@ def test_gpu_check_runs_end_to_end_on_the_cpu_and_renders(tmp_path):
     md = (tmp_path / "gpu_check.md").read_text()
     assert "| nvfp4 | 62400 | not run | 0 |" in md
     assert "| trtllm | True |" in md and "| hf | True |" in md
+    assert "4 micro-batches per step" in md and "One step under torch's profiler" in md
+
+
+def test_a_spent_time_budget_skips_the_remaining_sections_by_name(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--cpu", "--budget-s", "0",
+                           "--only", "step", "megatron", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    d = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert "--only step" in d["step"]["skipped"] and "--only megatron" in d["megatron"]["skipped"]
+    assert "qad" not in d and "parity" not in d

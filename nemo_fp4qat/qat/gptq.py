@@ -14,10 +14,10 @@ that hold the same weights (weighted by their token counts), so every replica ro
 
 modelopt's unfused update fake-quantizes the whole weight matrix once per column to read that column back: on a
 CPU that is most of GPTQ's time (about 130 s for SmolLM2-135M on 2 cores). Where a column's quantized value depends
-only on its own quantization block (per-block scales computed from the weights, per-tensor or per-channel amax already
-calibrated), :class:`_BlockSliceGPTQ` quantizes only the GPTQ block's columns, which gives the same columns: the same
-update, a fraction of the work. Static per-block scales (MSE, local Hessian) are indexed by the whole matrix and keep
-modelopt's own update.
+only on its own quantization block (per-block scales computed from the weights, per-tensor or per-channel amax
+already calibrated), :class:`_BlockSliceGPTQ` quantizes only the column's own quantization block (16 columns for
+NVFP4, the column alone for per-tensor FP8), which gives the same column: the same update, a fraction of the work.
+Static per-block scales (MSE, local Hessian) are indexed by the whole matrix and keep modelopt's own update.
 """
 
 from __future__ import annotations
@@ -112,6 +112,13 @@ def _slices_alike(quantizer: nn.Module, block_size: int) -> bool:
     return along is None or block_size % int(along) == 0
 
 
+def _quant_block(quantizer: nn.Module) -> int:
+    """Columns that share a scale in a quantizer :func:`_slices_alike` accepts (1: per-tensor or per-channel amax)."""
+    blocks = getattr(quantizer, "block_sizes", None) or {}
+    along = blocks.get(-1) or blocks.get(1)
+    return int(along) if along else 1
+
+
 def _block_slice_helper(base: type) -> type:
     """``base`` (modelopt's ``GPTQHelper``) with the blockwise update quantizing only the GPTQ block's columns where
     that gives the same columns (:func:`_slices_alike`); modelopt's own update elsewhere."""
@@ -123,7 +130,9 @@ def _block_slice_helper(base: type) -> type:
                 return super()._blockwise_update(block_size)
             weight, h_inv = self.weight, self.h_inv
             num_cols = weight.shape[1]
-            # modelopt's gptq_blockwise_update, the quantizer applied to the block's columns instead of the matrix
+            qb = _quant_block(quantizer)
+            # modelopt's gptq_blockwise_update, the quantizer applied to each column's own quantization block (all
+            # its columns as they stand, rounded and not yet rounded) instead of the whole matrix
             for start in range(0, num_cols, block_size):
                 end = min(start + block_size, num_cols)
                 h_blk = h_inv[start:end, start:end]
@@ -131,9 +140,10 @@ def _block_slice_helper(base: type) -> type:
                 errs = torch.zeros_like(wblk)
                 for i in range(end - start):
                     w_ci = wblk[:, i].clone()
-                    qdq = quantizer(wblk)
-                    weight[:, start + i] = qdq[:, i]
-                    err = (w_ci - qdq[:, i]) / h_blk[i, i]
+                    lo = i - i % qb
+                    q_ci = quantizer(wblk[:, lo : lo + qb])[:, i - lo]
+                    weight[:, start + i] = q_ci
+                    err = (w_ci - q_ci) / h_blk[i, i]
                     wblk[:, i:].addr_(err, h_blk[i, i:], alpha=-1)
                     errs[:, i] = err
                 weight[:, end:].addmm_(errs, h_inv[start:end, end:], alpha=-1)
