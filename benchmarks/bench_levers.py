@@ -73,10 +73,11 @@ def qad_row(ft, data, out: Path, policy: str, smoothing: dict | None, search: bo
 
 
 def qad_served(ft, data, out: Path, policy: str, smoothing: dict | None, search: bool, learned_scales=None,
-               distillation="qad", **calibration_fields) -> tuple[dict, object]:  # fmt: skip
+               distillation="qad", lr: float | None = None, **calibration_fields) -> tuple[dict, object]:  # fmt: skip
     """:func:`qad_row`'s row and the model it measured: the served checkpoint rebuilt by the serving unpacker
     (the trained model if the export was refused). ``learned_scales`` and further ``CalibrationConfig`` fields
-    (``weight_scale``, ``act_scale``, ``gptq``) choose the scale levers; ``distillation`` the QAD loss."""
+    (``weight_scale``, ``act_scale``, ``gptq``) choose the scale levers; ``distillation`` the QAD loss; ``lr`` the
+    QAD learning rate (default: the demo's)."""
     from nemo_fp4qat.export import ExportConfig, ExportValidationError, export_checkpoint
     from nemo_fp4qat.export.deployed_model import load_deployed_model
 
@@ -88,7 +89,7 @@ def qad_served(ft, data, out: Path, policy: str, smoothing: dict | None, search:
     cb = FP4QATCallback(policy=policy, schedule="direct", calibration=calibration, calibration_data=data.calib,
                         forward_fn=lambda x, b: x.net(b), distillation=distillation,
                         learned_scales=learned_scales)  # fmt: skip
-    train_lm(m, data.train, cfg, out, [cb], "qad", lr=cfg.qad_lr)
+    train_lm(m, data.train, cfg, out, [cb], "qad", lr=lr or cfg.qad_lr)
     in_memory = data.ppl(m)
     try:
         runtime = LayerPolicy.resolve_spec(policy).runtime  # a policy TensorRT-LLM cannot run exports for ours

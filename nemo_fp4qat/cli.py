@@ -49,7 +49,7 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(out_dir=args.out, quick=args.quick, steps=args.steps, distill_alpha=args.distill,
                     schedule=args.schedule, policy=args.policy, mode=args.mode, qad_lr=args.qad_lr,
                     qad_steps=args.qad_steps, plain_qat=args.plain_qat or None, smoothing=smoothing,
-                    block_scale_search=args.block_scale_search, moe=args.moe or None)  # fmt: skip
+                    block_scale_search=args.block_scale_search, gptq=args.gptq, moe=args.moe or None)  # fmt: skip
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -259,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--smoothing-alpha", type=float, help="migration strength of --smoothing (default 0.5)")
     d.add_argument("--block-scale-search", action=argparse.BooleanOptionalAction, help="clip NVFP4 weights to their "
                    "minimum-error block scales after calibration (default: the demo's recipe)")  # fmt: skip
+    d.add_argument("--gptq", action=argparse.BooleanOptionalAction, help="round the weights with modelopt's GPTQ "
+                   "after calibration, so the QAT stage starts from them (default: the demo's recipe)")  # fmt: skip
     d.add_argument("--moe", action="store_true", help="run it on a mixture-of-experts model: SmolLM2 upcycled into a "
                    "Mixtral (4 experts, top 2), policy 'default' (experts NVFP4, routers 16-bit), no smoothing, "
                    "unified HF export only")  # fmt: skip

@@ -84,6 +84,8 @@ class DemoConfig:
     # / 9.7% with it); on the `default` preset it helped (benchmarks/results/levers.md).
     smoothing: Any = field(default_factory=lambda: {"sites": ["mlp_in"], "alpha": 0.5})
     block_scale_search: bool | float = False
+    # modelopt's GPTQ after calibration (``CalibrationConfig.gptq``): the QAT stage starts from GPTQ-rounded weights
+    gptq: bool = False
     seed: int = 0
     # documents of lm-evaluation-harness's next-sentence task (from the held-out book, offline) scored per variant
     # (the report's accuracy column; 4 choices each, about 0.3 s per document on 2 cores); 0: off
@@ -109,7 +111,8 @@ class DemoConfig:
 
         SmoothingConfig.resolve_spec(self.smoothing)  # refuse a bad spec before the model loads
         self.layer_policy()  # the same for the policy
-        CalibrationConfig(num_samples=100, block_scale_search=self.block_scale_search)  # the same for this one
+        # the same for these (GPTQ: refused by name on a modelopt without it, or beside the block scale search)
+        CalibrationConfig(num_samples=100, block_scale_search=self.block_scale_search, gptq=self.gptq or None)
         if self.mode not in ("qad", "qat"):
             raise ValueError(f"demo mode {self.mode!r} is not known; use 'qad' (default) or 'qat'.")
 
@@ -139,6 +142,8 @@ def _lever_names(cfg: DemoConfig) -> list[str]:
         names.append(f"smoothing {'+'.join(sm.sites)} alpha {sm.alpha} folded into the weights")
     if cfg.block_scale_search is not False:
         names.append("NVFP4 block scale search")
+    if cfg.gptq:
+        names.append("GPTQ")
     return names
 
 
@@ -243,7 +248,7 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float, details: TextIO) -> in
           f"perplexity {variants['bf16_finetuned']['ppl']:.3f}")  # fmt: skip
 
     calibration = {"num_samples": cfg.calib_samples, "smoothing": cfg.smoothing,
-                   "block_scale_search": cfg.block_scale_search}  # fmt: skip
+                   "block_scale_search": cfg.block_scale_search, "gptq": cfg.gptq or None}  # fmt: skip
     levers = _lever_names(cfg)
 
     def ptq(calibration: dict[str, Any], name: str) -> tuple[dict[str, Any], QATController]:
@@ -259,8 +264,9 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float, details: TextIO) -> in
     (out / "policy_table.txt").write_text(ctl.table.format_table() + "\n")  # type: ignore[union-attr]
     p = variants["ptq"]
     result = f"perplexity {p['ppl']:.3f} at {p['bits_per_weight']:.2f} bits/weight"
-    if levers:  # what the QAT stage starts from
-        variants["ptq_recipe"], _ = ptq(calibration, "PTQ with the recipe's levers")
+    recipe_name = "PTQ with the recipe's levers"
+    if levers and cfg.mode != "qad":  # plain QAT starts from the original: the recipe's PTQ is built on its own
+        variants["ptq_recipe"], _ = ptq(calibration, recipe_name)
         result += f"; with {' + '.join(levers)}: {variants['ptq_recipe']['ppl']:.3f}"
     label = cfg.policy if cfg.policy in DEMO_POLICIES else policy.name  # the name the user gave, not a file's path
     stage(3, f"PTQ of the fine-tune (policy {label!r})", result)
@@ -279,6 +285,16 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float, details: TextIO) -> in
 
     qad_steps = cfg.qad_steps or cfg.steps
 
+    class RecipePTQ(pl.Callback):
+        """The QAD stage's start, measured once the callback has calibrated it: the recipe's PTQ of the fine-tune
+        (measured here rather than calibrated a second time on its own; its unquantized weights at the deployment
+        dtype, as the stage trains them)."""
+
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            net, was_training = pl_module.net, pl_module.net.training
+            variants["ptq_recipe"] = ev(net.eval(), recipe_name)
+            net.train(was_training)
+
     def qad() -> tuple[Any, list[float], FP4QATCallback, QuantizationMonitor]:
         # the student starts where PTQ left the fine-tune (same calibration data); the teacher is the
         # fine-tune itself (the callback's frozen copy before quantization)
@@ -288,7 +304,8 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float, details: TextIO) -> in
                             deploy_dtype=deploy_dtype)  # fmt: skip
         # one switch (step 0) and the end (each full-model analysis: report.json's monitor_measure_s)
         mon = QuantizationMonitor(every_n_steps=qad_steps, out_dir=str(out / "quant_quality"))
-        return model, train_lm(model, train, cfg, out, [cb, mon], "qad", lr=cfg.qad_lr, steps=qad_steps), cb, mon
+        callbacks = [cb, RecipePTQ(), mon] if levers else [cb, mon]
+        return model, train_lm(model, train, cfg, out, callbacks, "qad", lr=cfg.qad_lr, steps=qad_steps), cb, mon
 
     plain_note = ""
     if cfg.mode == "qad":
@@ -308,7 +325,10 @@ def _run(cfg: DemoConfig, out: Path, con: Any, t0: float, details: TextIO) -> in
     if levers:
         method += "; " + ", ".join(levers)
     variants["qat"] = ev(qat_model, "QAT (in memory)", lm_eval=False)  # scored as deployed below
-    stage(4, what, f"perplexity {variants['qat']['ppl']:.3f}{plain_note}")
+    start_note = ""
+    if cfg.mode == "qad" and "ptq_recipe" in variants:
+        start_note = f" (from the recipe's PTQ: {variants['ptq_recipe']['ppl']:.3f})"
+    stage(4, what, f"perplexity {variants['qat']['ppl']:.3f}{start_note}{plain_note}")
     from ..export import ExportConfig, export_checkpoint
     from ..export.deployed_model import load_deployed_model
 

@@ -119,6 +119,32 @@ def _quant_block(quantizer: nn.Module) -> int:
     return int(along) if along else 1
 
 
+def _direct_quantize(quantizer: nn.Module, sample: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The fake-quant op modelopt's forward reaches for ``quantizer``, called without the module around it (its
+    Python costs more than the op on a column's block, and GPTQ calls it once per column): NVFP4 / MX dynamic blocks
+    (``dynamic_block_quantize_op``) or per-tensor / per-channel FP8 (``scaled_e4m3_impl``) with the calibrated amax.
+    Used only if it gives exactly what the quantizer gives on ``sample`` (anything the module adds, such as a
+    pre-quantization scale or a rotation, would show there); the quantizer itself otherwise."""
+    from modelopt.torch.quantization import tensor_quant
+
+    nb, blocks, amax = quantizer._num_bits, getattr(quantizer, "block_sizes", None) or {}, quantizer._amax
+    fn: Callable[[torch.Tensor], torch.Tensor] | None = None
+    if isinstance(nb, tuple) and blocks.get("type") == "dynamic" and isinstance(blocks.get("scale_bits"), tuple):
+        bs, (se, sm) = int(blocks.get(-1) or blocks.get(1)), blocks["scale_bits"]
+        a = None if getattr(quantizer, "is_mx_format", False) else amax
+
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            return tensor_quant.dynamic_block_quantize_op(x, bs, a, nb[0] + nb[1] + 1, nb[0], se + sm + 1, se)
+    elif nb == (4, 3) and not blocks:
+
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            return tensor_quant.scaled_e4m3_impl(x, amax)
+
+    if fn is not None and torch.equal(fn(sample), quantizer(sample)):
+        return fn
+    return quantizer
+
+
 def _block_slice_helper(base: type) -> type:
     """``base`` (modelopt's ``GPTQHelper``) with the blockwise update quantizing only the GPTQ block's columns where
     that gives the same columns (:func:`_slices_alike`); modelopt's own update elsewhere."""
@@ -131,6 +157,7 @@ def _block_slice_helper(base: type) -> type:
             weight, h_inv = self.weight, self.h_inv
             num_cols = weight.shape[1]
             qb = _quant_block(quantizer)
+            quantize = _direct_quantize(quantizer, weight[:, : min(qb, num_cols)].clone())
             # modelopt's gptq_blockwise_update, the quantizer applied to each column's own quantization block (all
             # its columns as they stand, rounded and not yet rounded) instead of the whole matrix
             for start in range(0, num_cols, block_size):
@@ -141,7 +168,7 @@ def _block_slice_helper(base: type) -> type:
                 for i in range(end - start):
                     w_ci = wblk[:, i].clone()
                     lo = i - i % qb
-                    q_ci = quantizer(wblk[:, lo : lo + qb])[:, i - lo]
+                    q_ci = quantize(wblk[:, lo : lo + qb])[:, i - lo]
                     weight[:, start + i] = q_ci
                     err = (w_ci - q_ci) / h_blk[i, i]
                     wblk[:, i:].addr_(err, h_blk[i, i:], alpha=-1)

@@ -39,7 +39,10 @@ def test_demo_prints_five_stages_and_writes_the_details_to_files(tmp_path):
     log = (out / "demo.log").read_text()
     assert "Inserted" in log and "quantization quality at step" in log
     report = json.loads((out / "report.json").read_text())
-    assert {"bf16", "bf16_finetuned", "ptq", "qat"} <= set(report["variants"])
+    assert {"bf16", "bf16_finetuned", "ptq", "ptq_recipe", "qat"} <= set(report["variants"])
+    # the recipe's PTQ is the QAD stage's start, measured there once it is calibrated (not calibrated twice)
+    assert "from the recipe's PTQ: " in res.stdout and report["recovery_vs_recipe_ptq"] is not None
+    assert log.count("Inserted") == 2  # modelopt quantized two copies of the fine-tune: max PTQ and the QAD stage
     # every variant scored by lm-evaluation-harness too (the shipped next-sentence task), its results JSON written
     assert all(0 <= v["acc"] <= 1 for v in report["variants"].values()), report["variants"]  # QAT: as deployed
     assert report["lm_eval"]["task"] == "fp4qat_next_sentence"

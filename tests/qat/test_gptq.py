@@ -60,6 +60,9 @@ def test_gptq_on_max_scales_rounds_the_weights_as_modelopts_own_gptq_algorithm(f
     sliced = []
     alike = gptq_module._slices_alike
     monkeypatch.setattr(gptq_module, "_slices_alike", lambda q, b: sliced.append(alike(q, b)) or sliced[-1])
+    direct = []  # per layer: whether the column loop calls modelopt's op without the quantizer module around it
+    pick = gptq_module._direct_quantize
+    monkeypatch.setattr(gptq_module, "_direct_quantize", lambda q, x: direct.append(pick(q, x) is not q) or pick(q, x))
     batches = _batches()
     cfg = copy.deepcopy(getattr(mtq, fmt))
     ours, peer = _model(), _model()
@@ -79,6 +82,7 @@ def test_gptq_on_max_scales_rounds_the_weights_as_modelopts_own_gptq_algorithm(f
         moved += int(not torch.equal(p, before[n]))
     assert moved == 14  # every quantized linear's weight, nothing else
     assert sliced == [True] * 14  # the block-slice update ran on every layer
+    assert direct == [fmt != "INT8_WEIGHT_ONLY_CFG"] * 14  # INT8: modelopt's integer op, through the quantizer
 
 
 @needs_gptq
