@@ -92,6 +92,10 @@ def render_check(d: dict[str, Any]) -> str:
              "`benchmarks/gpu_check.py`, rendered by `benchmarks/render_gpu.py`.", ""]  # fmt: skip
     if d.get("errors"):
         lines += ["Sections that failed:", ""] + [f"- `{e.splitlines()[-1][:200]}`" for e in d["errors"]] + [""]
+    d = dict(d)
+    for key in ("parity", "static", "qad"):  # past the run's time budget: named, to be run with --only
+        if isinstance(d.get(key), dict) and "skipped" in d[key]:
+            lines += [f"`{key}`: not run ({d.pop(key)['skipped']}).", ""]
     parity = d.get("parity") or []
     if parity:
         agg: dict[str, dict[str, Any]] = defaultdict(lambda: {"numel": 0, "modelopt": [], "exact": []})

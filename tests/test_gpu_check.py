@@ -69,3 +69,11 @@ def test_a_spent_time_budget_skips_the_remaining_sections_by_name(tmp_path):
     d = json.loads((tmp_path / "gpu_check.json").read_text())
     assert "--only step" in d["step"]["skipped"] and "--only megatron" in d["megatron"]["skipped"]
     assert "qad" not in d and "parity" not in d
+    d["qad"] = {"skipped": "the run's time budget (0 s) was spent; run it with --only qad"}  # as a cut-short run writes
+    (tmp_path / "gpu_check.json").write_text(json.dumps(d))
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "render_gpu.py"), "--src",
+                           str(tmp_path / "gpu_check.json"), "--dst", str(tmp_path / "gpu_check.md")],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    md = (tmp_path / "gpu_check.md").read_text()
+    assert "--only step" in md and "--only qad" in md
