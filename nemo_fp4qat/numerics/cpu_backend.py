@@ -148,21 +148,12 @@ def _cpu_dynamic_block_quantize_op(
     scale_exponent_bits: int,
 ) -> torch.Tensor:
     fmt = (block_size, num_bits, exponent_bits, scale_num_bits, scale_exponent_bits)
-    kept = weight_reuse.kept(inputs, amax, fmt)
-    if kept is not None:  # a weight already fake-quantized in this optimizer step
-        return kept
-    return weight_reuse.keep(inputs, amax, fmt, _block_quantize(inputs, *fmt[:1], amax, *fmt[1:]))
+    return weight_reuse.kept_or_computed(inputs, amax, fmt, lambda: _block_quantize(inputs, amax, fmt))
 
 
-def _block_quantize(
-    inputs: torch.Tensor,
-    block_size: int,
-    amax: torch.Tensor | None,
-    num_bits: int,
-    exponent_bits: int,
-    scale_num_bits: int,
-    scale_exponent_bits: int,
-) -> torch.Tensor:
+def _block_quantize(inputs: torch.Tensor, amax: torch.Tensor | None, fmt: tuple[int, ...]) -> torch.Tensor:
+    """The op's work: ``fmt`` is its ``(block_size, num_bits, exponent_bits, scale_num_bits, scale_exponent_bits)``."""
+    block_size, num_bits, exponent_bits, scale_num_bits, scale_exponent_bits = fmt
     if inputs.device.type != "cpu":
         return _cuda_dynamic_block_quantize(
             inputs, block_size, amax, num_bits, exponent_bits, scale_num_bits, scale_exponent_bits
@@ -184,16 +175,14 @@ _FP8 = ("fp8",)  # the weight-reuse key of per-tensor / per-channel FP8 (E4M3)
 def _cpu_fp8_eager(x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
     if x.device.type != "cpu" or amax is None:
         return _ORIGINAL_FP8(x, amax)  # CUDA without modelopt's extension, or unscaled casts
-    kept = weight_reuse.kept(x, amax, _FP8)
-    return kept if kept is not None else weight_reuse.keep(x, amax, _FP8, fake_quant_fp8(x, amax))
+    return weight_reuse.kept_or_computed(x, amax, _FP8, lambda: fake_quant_fp8(x, amax))
 
 
 def _exact_scaled_e4m3_impl(inputs: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
     """modelopt's ``scaled_e4m3_impl`` (FP8 fake quant) with the exporter's division on CUDA tensors."""
     if inputs.device.type == "cpu" or amax is None or cuda_nvfp4_kernel() != "exact":
         return _ORIGINAL_FP8_IMPL(inputs=inputs, amax=amax)  # CPU tensors reach fp8_eager (wrapped above)
-    kept = weight_reuse.kept(inputs, amax, _FP8)
-    return kept if kept is not None else weight_reuse.keep(inputs, amax, _FP8, fake_quant_fp8(inputs, amax))
+    return weight_reuse.kept_or_computed(inputs, amax, _FP8, lambda: fake_quant_fp8(inputs, amax))
 
 
 def _backend_entrypoint(inputs: torch.Tensor, quantizer: Any) -> torch.Tensor:

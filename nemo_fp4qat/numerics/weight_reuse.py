@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -122,3 +123,12 @@ def keep(inputs: torch.Tensor, amax: torch.Tensor | None, fmt: tuple, out: torch
         _STATS["computed"] += 1
         return out.view_as(out)
     return out
+
+
+def kept_or_computed(
+    inputs: torch.Tensor, amax: torch.Tensor | None, fmt: tuple, compute: Callable[[], torch.Tensor]
+) -> torch.Tensor:
+    """The fake quant of ``inputs`` in format ``fmt``: the one kept in this step if it still holds, else
+    ``compute()`` (kept for the step's other micro-batches when ``inputs`` is a weight and reuse is on)."""
+    hit = kept(inputs, amax, fmt)
+    return hit if hit is not None else keep(inputs, amax, fmt, compute())
