@@ -482,7 +482,7 @@ def _step_model(device: str, small: bool, layers: int, batch: tuple[int, int]) -
                           num_attention_heads=16, num_key_value_heads=4,
                           max_position_embeddings=max(2048, batch[1]))  # fmt: skip
         shape, dtype = batch, torch.bfloat16
-    tokens = torch.randint(0, cfg.vocab_size, shape, device=device, generator=None)
+    tokens = torch.randint(0, cfg.vocab_size, shape, device=device)
     return cfg, tokens, dtype
 
 
