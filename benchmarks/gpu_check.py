@@ -27,6 +27,9 @@ after ``--budget-s`` seconds is recorded as skipped, to be run with ``--only``):
    ``--cpu`` the exact kernel runs in triton's interpreter and modelopt's CUDA kernels are not run.
 6. ``static``: static per-block NVFP4 and LSQ's FP4 cast (modelopt >= 0.46): this package's torch forwards on the
    CPU against the device (exact path) and modelopt's Triton kernels; one LSQ quantizer's gradients, CPU vs device.
+7. ``qad_budget``: QAD of SmolLM2-135M at 1M distinct training tokens and two smaller budgets, learning rates swept,
+   from max-calibrated and GPTQ starts, scored as served (``benchmarks/gpu_qad_budget.py``). It plans each of its
+   runs to end by ``--end-s`` and skips by name what would not; ``--only qad_budget`` gives it a whole run.
 
 ``benchmarks/render_gpu.py`` renders the JSON into ``results/gpu_check*.md``.
 """
@@ -42,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gpu_qad_budget import qad_budget
 
 PARITY_FORMATS: dict[str, dict[str, Any]] = {
     "nvfp4": {"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}},
@@ -664,11 +668,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--only",
         nargs="+",
-        choices=[*STEP_SHAPES, "profile", "megatron", "qad", "parity", "static"],
+        choices=[*STEP_SHAPES, "profile", "megatron", "qad", "parity", "static", "qad_budget"],
         help="run these sections only",
     )
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="start no section after this many seconds (8 minutes a device run, less set-up)")  # fmt: skip
+    p.add_argument("--end-s", type=float, default=460.0,
+                   help="qad_budget plans its runs to end this many seconds after the run's start")  # fmt: skip
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="where gpu_check.json goes (default: $OUT)")
     args = p.parse_args(argv)
     if args.cpu:
@@ -700,11 +706,14 @@ def main(argv: list[str] | None = None) -> int:
                                                  shape["accumulate"]))
         for name, shape in STEP_SHAPES.items()
     }  # fmt: skip
-    sections |= {"profile": lambda: profile_step(device, args.cpu),
-                 "megatron": lambda: megatron_qad(device, args.cpu, out / "megatron_work"),
-                 "qad": lambda: qad(device, args.cpu, out / "qad_work"),
-                 "parity": lambda: parity(device, args.cpu),
-                 "static": lambda: static_parity(device, args.cpu)}  # fmt: skip
+    sections |= {
+        "profile": lambda: profile_step(device, args.cpu),
+        "megatron": lambda: megatron_qad(device, args.cpu, out / "megatron_work"),
+        "qad": lambda: qad(device, args.cpu, out / "qad_work"),
+        "parity": lambda: parity(device, args.cpu),
+        "static": lambda: static_parity(device, args.cpu),
+        "qad_budget": lambda: qad_budget(device, args.cpu, out / "qad_budget_work", started + args.end_s),
+    }
     started = time.time()
     for name, fn in sections.items():
         if args.only and name not in args.only:

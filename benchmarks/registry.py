@@ -78,13 +78,17 @@ BENCHMARKS = [
     Benchmark("reliability", "bench_reliability.py", "reliability", ("reliability",),
               "kill/resume at every point, bad configurations, server faults"),
     Benchmark("gpu_check", "gpu_check.py", "gpu", ("gpu_check", "gpu_h200"),
-              "the GPU acceptance run (parity, QAD -> export -> validate, step time)"),
+              "the GPU acceptance run (parity, QAD -> export -> validate, step time, QAD at 1M tokens)"),
+    Benchmark("qad_budget_cost", "gpu_qad_budget.py", "bench", ("qad_budget_cost",),
+              "the GPU run's qad_budget section: its cost per token measured here, its GPU time estimated",
+              ("--render",)),
 ]  # fmt: skip
 # Scripts the benchmarks use that are not benchmarks themselves.
 HELPERS = {
     "accuracy_data.py": "the demo workload's data for the accuracy benchmarks",
     "activation_range_search.py": "the per-layer activation range search behind a levers row",
     "common.py": "results files, re-rendering, side-by-side workers",
+    "extract_texts.py": "how the shipped public-domain texts were extracted from their Debian packages",
     "peer_torchao.py": "torchao's NVFP4 QAT as a row of the accuracy benchmark",
     "residual_rotation.py": "the residual rotation behind a levers row",
     "render_gpu.py": "the GPU runs' JSON rendered into markdown (`render gpu_check`)",

@@ -93,7 +93,7 @@ def render_check(d: dict[str, Any]) -> str:
     if d.get("errors"):
         lines += ["Sections that failed:", ""] + [f"- `{e.splitlines()[-1][:200]}`" for e in d["errors"]] + [""]
     d = dict(d)
-    for key in ("parity", "static", "qad"):  # past the run's time budget: named, to be run with --only
+    for key in ("parity", "static", "qad", "qad_budget"):  # past the run's time budget: named, to be run with --only
         if isinstance(d.get(key), dict) and "skipped" in d[key]:
             lines += [f"`{key}`: not run ({d.pop(key)['skipped']}).", ""]
     parity = d.get("parity") or []
@@ -221,7 +221,40 @@ def render_check(d: dict[str, Any]) -> str:
         ]
     if d.get("nemo", {}).get("skipped"):
         lines += [f"NeMo path: not run here ({d['nemo']['skipped']}).", ""]
+    if d.get("qad_budget"):
+        lines += render_qad_budget(d["qad_budget"])
     return "\n".join(lines)
+
+
+def render_qad_budget(q: dict[str, Any]) -> list[str]:
+    """The ``qad_budget`` section: per token budget, the fine-tune, both PTQ starts and every QAD run as served."""
+    p = q["plan"]
+    lines = [f"### QAD at a real token budget ({q['model']} on {q['device']})", "",
+             f"Policy `{q['policy']}`, smoothing {q['smoothing']}; batch {p['batch']} x {p['seq_len']}; fine-tune lr "
+             f"{p['finetune_lr']:g}; warm-up {p['warmup']:.0%} of the steps then cosine decay. Training text: "
+             f"{', '.join(q['train_texts'])} ({q['windows_available']} windows); perplexity on the first "
+             f"{p['eval_tokens']:,} tokens of {q['eval_text']}, multiple choice on {p['mc_tasks']} next-sentence tasks "
+             "from it (largest budget). QAD rows are the unified HF export, validated and loaded as served. Recovery: "
+             "the share of the start's perplexity gap to the fine-tune that QAD closes.", "",
+             "| tokens | run | lr | perplexity | gap to fine-tune | recovery | multiple choice | export | train s |",
+             "|---:|---|---:|---:|---:|---:|---:|---|---:|"]  # fmt: skip
+    for r in sorted(q["rows"], key=lambda r: (-r["tokens"], r["run"] != "finetune", r["run"])):
+        if "error" in r:
+            lines.append(f"| {r['tokens']:,} | {r['run']} | | error: {r['error'].splitlines()[-1][:120]} | | | | | |")
+            continue
+        lr = f"{r['lr']:g}" if "lr" in r else ""
+        gap = f"{100 * r['gap']:.1f}%" if "gap" in r else ""
+        rec = f"{r['recovery']:.3f}" if "recovery" in r else ""
+        mc = f"{r['mc']['acc']:.3f}" if "mc" in r else ""
+        train = f"{r['train_s']:.0f}" if "train_s" in r else ""
+        lines.append(f"| {r['tokens']:,} | {r['run']} | {lr} | {r['ppl']:.3f} | {gap} | {rec} | {mc} | "
+                     f"{r.get('export', '')} | {train} |")  # fmt: skip
+    if q.get("skipped"):
+        lines += ["", "Not run (past the section's deadline): " + "; ".join(f"`{s['run']}`" for s in q["skipped"])
+                  + f". {q['skipped'][0]['why'].split('; ')[-1].capitalize()}."]  # fmt: skip
+    tps = ", ".join(f"{k} {v:,.0f}" for k, v in q.get("tokens_per_s", {}).items())
+    lines += ["", f"Training tokens per second: {tps}.", ""]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -51,6 +51,21 @@ def test_gpu_check_runs_end_to_end_on_the_cpu_and_renders(tmp_path):
     assert "skipped" in d["nemo"]
     assert "skipped" in d["megatron"]  # no megatron-core in this environment (the nemo one runs the section)
 
+    # qad_budget: at each budget a fine-tune, both starts and QAD at every learning rate, exported and served
+    qb = d["qad_budget"]
+    plan = qb["plan"]
+    assert qb["skipped"] == [] and not [r for r in qb["rows"] if "error" in r]
+    qad_rows = [r for r in qb["rows"] if r["run"].startswith("qad ")]
+    assert {(r["tokens"], r["start"], r["lr"]) for r in qad_rows} == {
+        (t, s, lr) for t in plan["budgets"] for s in plan["starts"] for lr in plan["qad_lrs"]
+    }
+    assert all(r["export"] == "validated" and r["ppl"] > 0 for r in qad_rows)
+    # what is served computes what trained (its unquantized weights trained at the export's dtype): the export's
+    # perplexity is the model's in memory
+    assert all(abs(r["ppl"] / r["in_memory"] - 1) < 1e-6 for r in qad_rows)  # fmt: skip
+    finetunes = {r["tokens"]: r for r in qb["rows"] if r["run"] == "finetune"}
+    assert set(finetunes) == set(plan["budgets"]) and "mc" in finetunes[plan["budgets"][0]]
+
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "render_gpu.py"), "--src",
                            str(tmp_path / "gpu_check.json"), "--dst", str(tmp_path / "gpu_check.md")],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
@@ -59,6 +74,7 @@ def test_gpu_check_runs_end_to_end_on_the_cpu_and_renders(tmp_path):
     assert "| nvfp4 | 62400 | not run | 0 |" in md
     assert "| trtllm | True |" in md and "| hf | True |" in md
     assert "4 micro-batches per step" in md and "One step under torch's profiler" in md
+    assert "QAD at a real token budget" in md and "| 256 | qad gptq | 5e-05 |" in md
 
 
 def test_a_spent_time_budget_skips_the_remaining_sections_by_name(tmp_path):
