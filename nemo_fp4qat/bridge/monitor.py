@@ -31,7 +31,7 @@ from ..monitor.stages import exchange_findings, merge_stage_records
 from ..qat.pipeline_parallel import pipeline_world_size
 from ..qat.stage_names import stage_layer_offset, to_global_name
 from ..specs import ConfigError
-from .callback import FP4QATBridgeCallback, _BridgeCallback, _rank, _unwrap
+from .callback import BridgeCallbackBase, FP4QATBridgeCallback, global_rank, unwrap_model_chunk
 
 __all__ = ["BridgeQuantizationMonitor"]
 
@@ -40,7 +40,7 @@ _ACTIONS = ("warn", "rollback")
 _LOGGED = ("weight_rel_err", "weight_sqnr_db", "weight_flushed_frac", "weight_saturated_frac", "weight_amax")
 
 
-class BridgeQuantizationMonitor(_BridgeCallback):
+class BridgeQuantizationMonitor(BridgeCallbackBase):
     """Quantization-quality monitoring for a Megatron-Bridge run (beside :class:`FP4QATBridgeCallback`).
 
     Args:
@@ -91,7 +91,7 @@ class BridgeQuantizationMonitor(_BridgeCallback):
 
     def on_train_start(self, context: Any) -> None:
         self._pp = pipeline_world_size()
-        module = _unwrap(context.model)
+        module = unwrap_model_chunk(context.model)
         self._offset = stage_layer_offset(module) if self._pp > 1 else 0
         self.expert_load.attach(module, {n: to_global_name(n, self._offset) for n, _ in module.named_modules()})
 
@@ -113,13 +113,14 @@ class BridgeQuantizationMonitor(_BridgeCallback):
         self._exchange_findings()
         if self._pp > 1:
             self.records = merge_stage_records(self.records)
-        if _rank() == 0:
+        if global_rank() == 0:
             out = self.out_dir or Path(context.state.cfg.checkpoint.save or ".") / "quant_report"
             self.report = write_report(out, self.thresholds, self.action, self.findings, self.records)
 
     def _measure(self, context: Any, step: int, show: bool, final: bool = False) -> None:
         t0 = time.perf_counter()
-        layers = {to_global_name(n, self._offset): r for n, r in analyze_model(_unwrap(context.model)).items()}
+        model = unwrap_model_chunk(context.model)
+        layers = {to_global_name(n, self._offset): r for n, r in analyze_model(model).items()}
         for name, rec in layers.items():
             for problem, metric, value, threshold in check_layer(rec, self.thresholds):
                 self._find(step, name, problem, metric, value, threshold)
@@ -131,14 +132,14 @@ class BridgeQuantizationMonitor(_BridgeCallback):
         if experts:
             record["expert_tokens"] = experts
         self.records.append(record)
-        writer = getattr(context.state, "tensorboard_logger", None) if _rank() == 0 else None
+        writer = getattr(context.state, "tensorboard_logger", None) if global_rank() == 0 else None
         if writer is not None:
             for name, rec in layers.items():
                 for k in _LOGGED:
                     v = rec.get(k)
                     if isinstance(v, (int, float)) and math.isfinite(float(v)):
                         writer.add_scalar(f"quant/{name}/{k}", float(v), step)
-        if show and _rank() == 0:
+        if show and global_rank() == 0:
             log.info("%s", summary_table(layers, f"quantization quality at step {step} ({self._stage_label()})"))
 
     def _expert_tokens(self) -> dict[str, list[int]]:
@@ -161,7 +162,7 @@ class BridgeQuantizationMonitor(_BridgeCallback):
         f = add_finding(self.findings, step, layer, problem, metric, value, threshold, self.action)
         if f is None:
             return
-        if _rank() == 0 or self._pp > 1:  # under pipeline parallelism the stage holding the layer tells
+        if global_rank() == 0 or self._pp > 1:  # under pipeline parallelism the stage holding the layer tells
             log.warning("nemo_fp4qat monitor: %s", f)
         if self._pp > 1:  # acted on by every rank at the end of the step (_exchange_findings)
             local = {to_global_name(n, self._offset): n for n in self.qat.controller.current}

@@ -43,11 +43,15 @@ from . import native_kernels
 __all__ = [
     "CPU_BLOCK_FORMATS",
     "FLOAT_FORMAT_MAX",
+    "blocked",
     "fake_quant_block",
     "fake_quant_fp8",
     "fake_quant_mx",
     "fake_quant_nvfp4",
+    "nan_free_block_amax",
+    "nvfp4_global_scale",
     "round_to_minifloat",
+    "unblocked",
     "use_native",
 ]
 
@@ -117,7 +121,7 @@ def round_to_minifloat(v: torch.Tensor, element: tuple[int, int]) -> torch.Tenso
     return torch.clamp(q, max=fmax)
 
 
-def _blocked(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, int]:
+def blocked(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, int]:
     """View ``x`` (any shape) as float32 [rows, nblocks, block], zero-padding the last dim."""
     n = x.shape[-1] if x.dim() > 0 else 1
     xf = x.reshape(-1, n).to(torch.float32)
@@ -127,7 +131,7 @@ def _blocked(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, int]:
     return xf.view(xf.shape[0], -1, block_size), n
 
 
-def _unblocked(y: torch.Tensor, like: torch.Tensor, n: int) -> torch.Tensor:
+def unblocked(y: torch.Tensor, like: torch.Tensor, n: int) -> torch.Tensor:
     y = y.reshape(y.shape[0], -1)[:, :n]
     return y.reshape(like.shape).to(like.dtype)
 
@@ -140,7 +144,7 @@ def _to_f32(v: float) -> float:
         return math.copysign(math.inf, v)
 
 
-def _nvfp4_global_scale(
+def nvfp4_global_scale(
     x: torch.Tensor, amax: torch.Tensor | float | None, global_scale: torch.Tensor | float | None
 ) -> float:
     """NVFP4's per-tensor scale ``amax / (6*448)`` in float32 arithmetic, as a Python float.
@@ -153,7 +157,7 @@ def _nvfp4_global_scale(
     if global_scale is not None:
         return _to_f32(float(torch.as_tensor(global_scale).reshape(())))
     if amax is None:
-        a = float(_nan_free_block_amax(x.detach().abs().float().reshape(1, 1, -1)).amax())
+        a = float(nan_free_block_amax(x.detach().abs().float().reshape(1, 1, -1)).amax())
     elif isinstance(amax, torch.Tensor):
         a = float(amax if amax.numel() == 1 else amax.amax())  # a non-scalar amax is reduced, as modelopt does
     else:
@@ -161,7 +165,7 @@ def _nvfp4_global_scale(
     return _to_f32(_to_f32(a) / (6.0 * 448.0))
 
 
-def _nan_free_block_amax(xabs: torch.Tensor) -> torch.Tensor:
+def nan_free_block_amax(xabs: torch.Tensor) -> torch.Tensor:
     # fmaxf / Triton max ignore NaN; torch.amax propagates it, so mask NaN first.
     return torch.nan_to_num(xabs, nan=0.0, posinf=float("inf")).amax(dim=-1, keepdim=True)
 
@@ -211,13 +215,13 @@ def fake_quant_nvfp4(
         ``out`` when given, otherwise a new tensor of ``x``'s dtype.
     """
     _check_out(x, out)
-    gs = _nvfp4_global_scale(x, amax, global_scale)
+    gs = nvfp4_global_scale(x, amax, global_scale)
     valid = math.isfinite(gs) and gs > 0
     if _native_ok(x):
         return _native_into(x, out, lambda a, o: native_kernels.native_nvfp4(a, gs, valid, block_size, out=o))
-    xb, n = _blocked(x, block_size)
+    xb, n = blocked(x, block_size)
     xabs = xb.abs()
-    block_max = _nan_free_block_amax(xabs)
+    block_max = nan_free_block_amax(xabs)
     if valid:
         gs_t = torch.tensor(gs, dtype=torch.float32, device=x.device)
         scale = torch.clamp(block_max / (6.0 * gs_t), max=448.0).to(torch.float8_e4m3fn).float() * gs_t
@@ -227,7 +231,7 @@ def fake_quant_nvfp4(
     q = round_to_minifloat(xabs / scale, (2, 1)) * scale
     y = torch.where(xb >= 0, q, -q)
     y = torch.where(torch.isnan(xb), xb, y)
-    y = _unblocked(y, x, n)
+    y = unblocked(y, x, n)
     return y if out is None else out.copy_(y)
 
 
@@ -257,9 +261,9 @@ def fake_quant_mx(
     if _native_ok(x):
         m, emin, fmax = element[1], _EMIN[element], FLOAT_FORMAT_MAX[element]
         return _native_into(x, out, lambda a, o: native_kernels.native_mx(a, m, emin, fmax, block_size, out=o))
-    xb, n = _blocked(x, block_size)
+    xb, n = blocked(x, block_size)
     xabs = xb.abs()
-    block_max = _nan_free_block_amax(xabs)
+    block_max = nan_free_block_amax(xabs)
     ue = _e8m0_unscale_exponent(block_max, FLOAT_FORMAT_MAX[element])
     degenerate = (block_max == 0) | torch.isinf(block_max)
     ue = torch.where(degenerate, torch.zeros_like(ue), ue)
@@ -267,7 +271,7 @@ def fake_quant_mx(
     q = round_to_minifloat(scaled, element) * _pow2(ue)
     y = torch.where(xb < 0, -q, q)
     y = torch.where(torch.isnan(xb), xb, y)
-    y = _unblocked(y, x, n)
+    y = unblocked(y, x, n)
     return y if out is None else out.copy_(y)
 
 

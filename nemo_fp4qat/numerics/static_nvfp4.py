@@ -161,7 +161,7 @@ def static_nvfp4_fake_quant(
 def _use_torch(x: torch.Tensor) -> bool:
     if x.device.type == "cpu":
         return True
-    from .cpu_backend import cuda_nvfp4_kernel
+    from .kernel_choice import cuda_nvfp4_kernel
 
     return cuda_nvfp4_kernel() == "exact"
 

@@ -28,10 +28,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..numerics.fake_quant import _blocked, _nan_free_block_amax, _nvfp4_global_scale, _unblocked, round_to_minifloat
+from ..numerics.fake_quant import blocked, nan_free_block_amax, nvfp4_global_scale, round_to_minifloat, unblocked
 from ..numerics.formats import format_name_of
 from .batches import forward_batches
-from .calibration import _all_reduce_flat, _data_parallel_group
+from .parallel_groups import all_reduce_flat, data_parallel_group
 
 __all__ = ["DEFAULT_MIN_RATIO", "BlockClip", "clip_nvfp4_weights", "input_second_moments", "search_nvfp4_block_clip"]
 
@@ -70,17 +70,17 @@ def search_nvfp4_block_clip(
     error of the layer's output ``x @ W.T`` rather than of the weight (a diagonal of GPTQ's Hessian).
     """
     with torch.no_grad():  # a block, not a decorator: mutmut skips decorated functions
-        gs = _nvfp4_global_scale(weight, amax, None)
-        xb, n = _blocked(weight, block_size)
+        gs = nvfp4_global_scale(weight, amax, None)
+        xb, n = blocked(weight, block_size)
         xabs = torch.nan_to_num(xb.abs(), nan=0.0)
-        block_max = _nan_free_block_amax(xabs)
+        block_max = nan_free_block_amax(xabs)
         blocks = block_max.numel()
         if not (gs > 0 and math.isfinite(gs)):
             return weight.clone(), BlockClip(blocks=blocks, clipped=0, error_max_rule=0.0, error_searched=0.0)
         gs_t = torch.tensor(gs, dtype=torch.float32)
         cw = None
         if channel_weight is not None:
-            cw, _ = _blocked(channel_weight.reshape(1, -1).to(xb.dtype), block_size)  # [1, nblocks, block]
+            cw, _ = blocked(channel_weight.reshape(1, -1).to(xb.dtype), block_size)  # [1, nblocks, block]
 
         def block_error(scale: torch.Tensor) -> torch.Tensor:
             q = round_to_minifloat(xabs / scale, (2, 1)) * scale  # saturates at 6 * scale, as the kernel does
@@ -116,7 +116,7 @@ def search_nvfp4_block_clip(
             error_max_rule=float(base_err.sum()) / weight.numel(),
             error_searched=float(torch.where(lowered, best_err, base_err).sum()) / weight.numel(),
         )
-        return _unblocked(clipped, weight, n), summary
+        return unblocked(clipped, weight, n), summary
 
 
 def _is_nvfp4(quantizer: nn.Module | None) -> bool:
@@ -186,7 +186,7 @@ def input_second_moments(
         names = sorted(sums)
         if names and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             parts = [sums[n] for n in names] + [sums[names[0]].new_tensor([float(counts[n]) for n in names])]
-            *reduced, n_rows = _all_reduce_flat(parts, dist.ReduceOp.SUM, _data_parallel_group())
+            *reduced, n_rows = all_reduce_flat(parts, dist.ReduceOp.SUM, data_parallel_group())
             for n, total, rows in zip(names, reduced, n_rows.tolist(), strict=True):
                 sums[n], counts[n] = total, int(rows)
         return {n: (sums[n] / counts[n]).float() for n in sums}

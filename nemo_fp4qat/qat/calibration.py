@@ -8,7 +8,6 @@ since each rank saw different samples).
 
 from __future__ import annotations
 
-import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from ..specs import ConfigError, from_fields
 from .batches import collect_batches, default_forward, forward_batches
 from .gptq import GPTQConfig, require_gptq
 from .moe import split_expert_name
+from .parallel_groups import all_reduce_flat, expert_data_parallel_group, same_layers_group
 from .policy import is_quantizer
 from .scale_levers import ACT_SCALES, WEIGHT_SCALES, check_choice, require_levers
 from .smoothing import SmoothingConfig
@@ -144,39 +144,11 @@ def run_calibration(
     mtq.calibrate(model, algorithm=algorithm, forward_loop=lambda m: forward_batches(m, batches, forward_fn))
 
 
-def _all_reduce_flat(tensors: list[torch.Tensor], op: Any, group: Any) -> list[torch.Tensor]:
-    """One collective for many tensors (a per-tensor collective would be one round trip each): concatenated,
-    reduced, split back into flat pieces in order."""
-    import torch.distributed as dist
-
-    flat = torch.cat([t.flatten() for t in tensors])
-    dist.all_reduce(flat, op=op, group=group)
-    return list(torch.split(flat, [t.numel() for t in tensors]))
-
-
 def _tp_size(module: nn.Module) -> int:
     """Tensor-parallel world size modelopt recorded for a quantized module (-1 / 1: not sharded)."""
     state = getattr(module, "_parallel_state", None)
     group = getattr(state, "tensor_parallel_group", None)
     return group.world_size() if group is not None else -1
-
-
-def _same_layers_group() -> Any:
-    """The ranks that hold the same layers: all of them, except under megatron pipeline parallelism,
-    where each stage numbers its own layers from 0 (same names, different layers)."""
-    ps = sys.modules.get("megatron.core.parallel_state")  # no megatron imported: no megatron model here
-    if ps is not None and ps.model_parallel_is_initialized() and ps.get_pipeline_model_parallel_world_size() > 1:
-        return ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
-    return None  # the default (world) group
-
-
-def _data_parallel_group() -> Any:
-    """The ranks that hold the same shard of the same layers: megatron's data-parallel group (with context
-    parallelism) when its parallel state is set up, else every rank (DDP replicas)."""
-    ps = sys.modules.get("megatron.core.parallel_state")
-    if ps is not None and ps.model_parallel_is_initialized():
-        return ps.get_data_parallel_group(with_context_parallel=True)
-    return None
 
 
 def sync_amax_across_ranks(model: nn.Module) -> int:
@@ -208,7 +180,7 @@ def sync_amax_across_ranks(model: nn.Module) -> int:
     ]  # fmt: skip
     # Check first that every rank holds the same amax buffers: a mismatch would otherwise hang the
     # collective below with no message.
-    group = _same_layers_group()
+    group = same_layers_group()
     mine = [(name, tuple(a.shape)) for name, a in entries]
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
@@ -224,22 +196,13 @@ def sync_amax_across_ranks(model: nn.Module) -> int:
         return 0
     # under expert parallelism each rank holds other experts under the same local names: an expert's amax is
     # reduced only over the ranks that hold that expert (megatron's expert data-parallel group)
-    expert_group = _expert_data_parallel_group()
+    expert_group = expert_data_parallel_group()
     by_group: dict[int, tuple[Any, list[torch.Tensor]]] = {}
     for name, a in entries:
         g = expert_group if expert_group is not None and split_expert_name(name.rsplit(".", 1)[0]) else group
         by_group.setdefault(id(g), (g, []))[1].append(a)
     for g, amaxes in by_group.values():
-        reduced = _all_reduce_flat([a.detach().float() for a in amaxes], dist.ReduceOp.MAX, g)
+        reduced = all_reduce_flat([a.detach().float() for a in amaxes], dist.ReduceOp.MAX, g)
         for a, r in zip(amaxes, reduced, strict=True):
             a.data.copy_(r.view_as(a))
     return len(entries)
-
-
-def _expert_data_parallel_group() -> Any:
-    """The ranks that hold the same routed experts under megatron-core expert parallelism (EP > 1), else None."""
-    ps = sys.modules.get("megatron.core.parallel_state")
-    if ps is None or not ps.model_parallel_is_initialized() or ps.get_expert_model_parallel_world_size() <= 1:
-        return None
-    getter = getattr(ps, "get_expert_data_parallel_group", None) or ps.get_data_modulo_expert_parallel_group
-    return getter()

@@ -193,12 +193,12 @@ def _average_hessians(handles: dict[str, Any]) -> None:
     """Average each layer's Hessian over the ranks that hold the same weights, weighted by token counts."""
     import torch.distributed as dist
 
-    from .calibration import _data_parallel_group, _expert_data_parallel_group
     from .moe import split_expert_name
+    from .parallel_groups import data_parallel_group, expert_data_parallel_group
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
-    dense, experts = _data_parallel_group(), _expert_data_parallel_group()
+    dense, experts = data_parallel_group(), expert_data_parallel_group()
     for name in sorted(handles):
         h = handles[name]
         group = experts if experts is not None and split_expert_name(name) else dense

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import fnmatch
 import re
-import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -25,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from ..specs import ConfigError
+from .parallel_groups import expert_parallel_group
 
 __all__ = [
     "EXPERT_PATTERNS",
@@ -145,17 +145,6 @@ def check_moe_formats(rows: Iterable[Any]) -> None:
             )
 
 
-def _expert_parallel_group() -> Any:
-    """megatron-core's expert-parallel group when its parallel state is set up with more than one expert rank (each
-    rank then holds other experts under the same local names), else None."""
-    ps = sys.modules.get("megatron.core.parallel_state")
-    if ps is None or not ps.model_parallel_is_initialized():
-        return None
-    if ps.get_expert_model_parallel_world_size() <= 1:
-        return None
-    return ps.get_expert_model_parallel_group()
-
-
 def tie_expert_amax(model: nn.Module) -> int:
     """Give each projection's input quantizers, across all experts of a layer, one amax: their max (over the
     expert-parallel group too), and an expert weight quantizer that calibration left without an amax (no token
@@ -169,7 +158,7 @@ def tie_expert_amax(model: nn.Module) -> int:
     import torch.distributed as dist
 
     modules = dict(model.named_modules())
-    ep_group = _expert_parallel_group()
+    ep_group = expert_parallel_group()
     tied: list[tuple[str, list[Any]]] = []
     linears = [n for n, m in modules.items() if hasattr(m, "weight_quantizer") or hasattr(m, "input_quantizer")]
     for (layer, proj), names in expert_projections(linears).items():

@@ -195,11 +195,11 @@ def _all_reduce_max(tensors: list[torch.Tensor]) -> None:
     parallelism among the ranks of the same stage only (another stage's sites are other layers)."""
     import torch.distributed as dist
 
-    from .calibration import _same_layers_group
+    from .parallel_groups import same_layers_group
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         flat = torch.cat([t.flatten() for t in tensors])
-        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=_same_layers_group())
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=same_layers_group())
         offset = 0
         for t in tensors:
             t.copy_(flat[offset : offset + t.numel()].view_as(t))

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .parallel_groups import first_local_expert, global_expert_name
 from .stage_names import stage_layer_offset, to_global_name
 
 __all__ = ["alone_on_rank_0", "at_size_one", "gather_whole_model", "merge_tensor_parallel_shards", "sharded_over_ranks"]
@@ -43,25 +44,6 @@ def sharded_over_ranks() -> bool:
     )
 
 
-def _expert_offset(module: nn.Module) -> int:
-    """The global index of this rank's first local expert (0 without expert parallelism)."""
-    from megatron.core import parallel_state as ps
-
-    ep = ps.get_expert_model_parallel_world_size()
-    if ep <= 1:
-        return 0
-    return ps.get_expert_model_parallel_rank() * (int(module.config.num_moe_experts) // ep)
-
-
-def _global_expert_name(name: str, offset: int) -> str:
-    """``...local_experts.<i>...`` under its global expert index (``i + offset``)."""
-    if not offset or ".local_experts." not in name:
-        return name
-    head, tail = name.split(".local_experts.", 1)
-    index, sep, rest = tail.partition(".")
-    return f"{head}.local_experts.{int(index) + offset}{sep}{rest}"
-
-
 def at_size_one(config: Any) -> Any:
     """``config`` (a megatron-core model config: Bridge's provider, NeMo's GPTConfig; edited in place, pass a copy)
     for the whole model on one rank: tensor and pipeline size 1, no sequence parallelism, and the vocabulary padded
@@ -79,9 +61,9 @@ def at_size_one(config: Any) -> Any:
 
 def _global_controller_state(state: dict[str, Any], offset: int, expert_offset: int = 0) -> dict[str, Any]:
     out = dict(state)
-    out["current"] = {_global_expert_name(to_global_name(m, offset), expert_offset): f
+    out["current"] = {global_expert_name(to_global_name(m, offset), expert_offset): f
                       for m, f in state["current"].items()}  # fmt: skip
-    out["ramps"] = {_global_expert_name(to_global_name(q, offset), expert_offset): r
+    out["ramps"] = {global_expert_name(to_global_name(q, offset), expert_offset): r
                     for q, r in state["ramps"].items()}  # fmt: skip
     return out
 
@@ -170,7 +152,7 @@ def _partition_rules(
     for name, p in module.named_parameters():
         if getattr(p, "tensor_model_parallel", False):
             is_fc1 = name.rpartition(".")[0].endswith("linear_fc1")
-            rules[_global_expert_name(to_global_name(name, offset), expert_offset)] = (int(p.partition_dim),
+            rules[global_expert_name(to_global_name(name, offset), expert_offset)] = (int(p.partition_dim),
                                                                                        gated and is_fc1)  # fmt: skip
     return rules
 
@@ -250,7 +232,7 @@ def gather_whole_model(build_whole: Callable[[], nn.Module], module: nn.Module, 
     ep = ps.get_expert_model_parallel_world_size()
     if _ALONE is None:
         _ALONE = dist.new_group([0], backend="gloo")  # every rank creates it, only rank 0 is in it
-    offset, expert_offset = stage_layer_offset(module), _expert_offset(module)
+    offset, expert_offset = stage_layer_offset(module), first_local_expert(module)
     # one copy of each shard: the dense layers from data-parallel rank 0 of each (tensor, pipeline) position; under
     # expert parallelism the routed experts (under their global index) from expert-data-parallel rank 0 of each
     # (expert tensor, expert, pipeline) position
@@ -263,7 +245,7 @@ def gather_whole_model(build_whole: Callable[[], nn.Module], module: nn.Module, 
         for k, v in module.state_dict().items():
             if isinstance(v, torch.Tensor) and (send_experts if ".local_experts." in k else send_dense):
                 part = "experts" if ".local_experts." in k else "dense"
-                payload[part][_global_expert_name(to_global_name(k, offset), expert_offset)] = v.detach().cpu()
+                payload[part][global_expert_name(to_global_name(k, offset), expert_offset)] = v.detach().cpu()
         payload.update(
             rules=_partition_rules(module, offset, gated, expert_offset),
             controller=_global_controller_state(controller.state_dict(), offset, expert_offset),

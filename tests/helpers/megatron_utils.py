@@ -108,14 +108,12 @@ def tiny_moe_gpt(ep: int = 1, seed: int = 0, shared: bool = True):
 def expert_rank_state(full: dict, rank: int, ep: int) -> dict:
     """The state dict an expert-parallel rank holds, cut from the one-rank model's: global expert ``rank * n + i`` as
     ``local_experts.i`` (``n = experts / ep``), everything else whole."""
+    from nemo_fp4qat.qat.parallel_groups import local_expert_name
+
     per = MOE_EXPERTS // ep
     out = {}
     for key, value in full.items():
-        if ".experts.local_experts." in key:
-            head, tail = key.split(".experts.local_experts.")
-            index, rest = tail.split(".", 1)
-            if int(index) // per != rank:
-                continue
-            key = f"{head}.experts.local_experts.{int(index) - rank * per}.{rest}"
-        out[key] = value
+        local = local_expert_name(key, rank * per, per)
+        if local is not None:
+            out[local] = value
     return out

@@ -245,9 +245,9 @@ def test_wrapped_methods_are_restored_at_teardown_and_wrapped_once_per_fit(tmp_p
 def test_the_cuda_nvfp4_kernel_is_the_configs_during_fit_and_put_back_after(monkeypatch):
     """``cuda_nvfp4_kernel`` is in force from setup to teardown (what a CUDA tensor's NVFP4 fake quant uses), then
     the setting before the run is back; without it the environment decides."""
-    from nemo_fp4qat.numerics import cpu_backend
+    from nemo_fp4qat.numerics import cpu_backend, kernel_choice
 
-    monkeypatch.setattr(cpu_backend, "_CUDA_NVFP4_KERNEL", None)
+    monkeypatch.setattr(kernel_choice, "_CUDA_NVFP4_KERNEL", None)
     monkeypatch.setenv("NEMO_FP4QAT_CUDA_NVFP4", "exact")
     seen = []
 

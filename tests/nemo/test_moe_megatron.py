@@ -100,9 +100,9 @@ def _spawn(world: int, tmp_path, tag: str) -> dict:
 
 def _global(name: str, rank: int, per: int = 2) -> str:
     """A local expert's name on an expert-parallel rank -> its name in the one-rank model."""
-    from nemo_fp4qat.qat.whole_model import _global_expert_name
+    from nemo_fp4qat.qat.parallel_groups import global_expert_name
 
-    return _global_expert_name(name, rank * per)
+    return global_expert_name(name, rank * per)
 
 
 @pytest.mark.slow

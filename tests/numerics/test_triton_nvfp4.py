@@ -19,7 +19,7 @@ import torch
 triton = pytest.importorskip("triton", reason="the exact CUDA NVFP4 kernel is tested where triton is installed")
 assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py sets TRITON_INTERPRET=1 before triton is imported"
 
-from nemo_fp4qat.numerics import cpu_backend  # noqa: E402
+from nemo_fp4qat.numerics import cpu_backend, kernel_choice  # noqa: E402
 from nemo_fp4qat.numerics import fake_quant as cfq  # noqa: E402
 from nemo_fp4qat.numerics.cpu_shims import modelopt_export_on_cpu  # noqa: E402
 from nemo_fp4qat.numerics.triton_nvfp4 import triton_nvfp4  # noqa: E402
@@ -155,7 +155,7 @@ def test_exact_kernel_is_what_cuda_tensors_get(monkeypatch):
 
 
 def test_kernel_choice_is_checked_and_read_from_the_environment(monkeypatch):
-    monkeypatch.setattr(cpu_backend, "_CUDA_NVFP4_KERNEL", None)  # no setting in force: the environment decides
+    monkeypatch.setattr(kernel_choice, "_CUDA_NVFP4_KERNEL", None)  # no setting in force: the environment decides
     with pytest.raises(ValueError, match=r"'exact'.*'modelopt'"):
         cpu_backend.set_cuda_nvfp4_kernel("fast")
     monkeypatch.setenv("NEMO_FP4QAT_CUDA_NVFP4", "modelopt")

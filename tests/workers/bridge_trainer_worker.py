@@ -204,12 +204,12 @@ if __name__ == "__main__":
                 record["tp"] = parallel_state.get_tensor_model_parallel_world_size()
                 record["pp"] = parallel_state.get_pipeline_model_parallel_world_size()
                 if MODEL == "moe":  # every expert's input amax, by its global index
-                    from nemo_fp4qat.qat.whole_model import _expert_offset, _global_expert_name
+                    from nemo_fp4qat.qat.parallel_groups import first_local_expert, global_expert_name
 
                     module = unwrap_model(context.model[0])
-                    offset = _expert_offset(module)
+                    offset = first_local_expert(module)
                     record["expert_input_amax"] = {
-                        _global_expert_name(n, offset): float(m.input_quantizer.amax)
+                        global_expert_name(n, offset): float(m.input_quantizer.amax)
                         for n, m in module.named_modules() if ".local_experts." in n and n.endswith("linear_fc1")
                     }  # fmt: skip
 

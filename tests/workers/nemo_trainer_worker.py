@@ -220,12 +220,12 @@ if __name__ == "__main__":
             tp = parallel_state.get_tensor_model_parallel_world_size()
             mm, offset = megatron_module(model), stage_layer_offset(megatron_module(model))
 
-            from nemo_fp4qat.qat.whole_model import _expert_offset, _global_expert_name
+            from nemo_fp4qat.qat.parallel_groups import first_local_expert, global_expert_name
 
-            expert_offset = _expert_offset(mm) if EP else 0
+            expert_offset = first_local_expert(mm) if EP else 0
 
             def global_name(name):  # a stage's local layer index (and a rank's local expert index) -> the model's
-                return _global_expert_name(to_global_name(name, offset), expert_offset)
+                return global_expert_name(to_global_name(name, offset), expert_offset)
 
             weights = {global_name(n): p.detach().double().flatten()[:64].tolist() for n, p in mm.named_parameters()}
             json.dump({**marks, "tp": tp, "pp": parallel_state.get_pipeline_model_parallel_world_size(),
