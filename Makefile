@@ -16,11 +16,12 @@ PIP_QUIET := -q --disable-pip-version-check
 env: $(CORE)/.stamp $(NEMO)/.stamp $(BRIDGE)/.stamp
 
 # The environments are built with uv (from PyPI, pinned; installed here when absent) from the requirement files,
-# with the package sources pip is configured with (requirements/uv_sources.py says why).
+# with the package sources pip is configured with (requirements/uv_sources.py says why), compiled to bytecode as pip
+# does (where PYTHONDONTWRITEBYTECODE is set, nothing else would: every test process would compile torch again).
 UV_VERSION := 0.13.9
 UV := .uv/bin/uv
 UV_SOURCES = $(shell $(PYTHON) requirements/uv_sources.py)
-UV_INSTALL = $(UV) pip install -q $(UV_SOURCES) --python
+UV_INSTALL = $(UV) pip install -q --compile-bytecode $(UV_SOURCES) --python
 $(UV):
 	$(PYTHON) -m pip install $(PIP_QUIET) --target .uv uv==$(UV_VERSION) 2>&1 | $(QUIET_PIP)
 

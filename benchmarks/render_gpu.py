@@ -94,7 +94,7 @@ def render_check(d: dict[str, Any]) -> str:
         lines += ["Sections that failed:", ""] + [f"- `{e.splitlines()[-1][:200]}`" for e in d["errors"]] + [""]
     d = dict(d)
     for key in ("parity", "static", "qad", "qad_budget"):  # past the run's time budget: named, to be run with --only
-        if isinstance(d.get(key), dict) and "skipped" in d[key]:
+        if isinstance(d.get(key), dict) and isinstance(d[key].get("skipped"), str):
             lines += [f"`{key}`: not run ({d.pop(key)['skipped']}).", ""]
     parity = d.get("parity") or []
     if parity:

@@ -7,7 +7,9 @@ parallel; 48 layers of 128 experts, 8 routed per token) with these changes: the 
 learning rate; :class:`~nemo_fp4qat.bridge.FP4QATBridgeCallback` with the default policy: the routed and shared
 experts in NVFP4 (each projection's input scale tied across a layer's experts, as the engines' fused MoE kernels
 need), attention in FP8, routers, embeddings, output and norms in 16 bits; and a unified Hugging Face checkpoint at
-the end (TensorRT-LLM's LLM API, vLLM and SGLang load it).
+the end (TensorRT-LLM's LLM API, vLLM and SGLang load it). The recipe's grouped experts (``moe_grouped_gemm``,
+``TEGroupedMLP``) become ``SequentialMLP`` (one linear per expert, the same parameters), which the policy quantizes;
+left grouped, the callback refuses the recipe by name.
 
 Run::
 
@@ -43,6 +45,9 @@ def qwen3_moe_nvfp4_qad(base: str | None, export_dir: str | None, train_iters: i
     cfg.checkpoint.pretrained_checkpoint = base
     cfg.model.context_parallel_size = 1
     cfg.model.virtual_pipeline_model_parallel_size = None  # the interleaved schedule is not supported
+    # the recipe's grouped experts (TEGroupedMLP) are not one linear per expert, which is what the policy quantizes:
+    # SequentialMLP holds the same parameters as one linear layer per expert and projection
+    cfg.model.moe_grouped_gemm = False
     cfg.train.train_iters = train_iters
     cfg.scheduler.lr_decay_iters = train_iters
     cfg.optimizer.lr, cfg.optimizer.min_lr = 5e-6, 5e-7

@@ -49,7 +49,9 @@ from ..qat.controller import QATController
 from ..qat.deploy_precision import refuse_deploy_dtype
 from ..qat.distillation import DistillationConfig
 from ..qat.megatron_distillation import MegatronDistiller, freeze, frozen_copy, require_megatron_loss
+from ..qat.moe import grouped_experts_error
 from ..qat.pipeline_parallel import StagedForward, every_stage, this_stage
+from ..qat.policy import LayerPolicy
 from ..qat.whole_model import alone_on_rank_0, at_size_one, gather_whole_model, sharded_over_ranks
 from ..specs import ConfigError, from_fields
 
@@ -112,6 +114,28 @@ def unwrap_model_chunk(model: Any) -> nn.Module:
     from megatron.core.utils import unwrap_model
 
     return unwrap_model(model[0] if isinstance(model, list | tuple) else model)
+
+
+def refuse_grouped_gemm(provider: Any, policy: LayerPolicy) -> None:
+    """Refuse, before any module is built, a mixture-of-experts provider whose ``moe_grouped_gemm`` builds grouped
+    experts unless ``policy`` keeps the experts in 16 bits on purpose: the quantizers would miss them
+    (:func:`~nemo_fp4qat.qat.moe.refuse_grouped_experts` refuses the built model too). megatron-core >= 0.16 builds
+    them under Transformer Engine (``TEGroupedMLP``; ``InferenceGroupedMLP`` for ``inference_optimized``); its local
+    spec builds ``SequentialMLP`` whatever the flag says.
+
+    Raises:
+        ConfigError: naming the provider's setting and the fix.
+    """
+    if not (getattr(provider, "num_moe_experts", None) and getattr(provider, "moe_grouped_gemm", False)):
+        return
+    impl = getattr(provider, "transformer_impl", "transformer_engine")
+    if impl == "local" or policy.keeps_in_full_precision("decoder.layers.0.mlp.experts"):
+        return
+    container = "InferenceGroupedMLP" if impl == "inference_optimized" else "TEGroupedMLP"
+    raise grouped_experts_error(
+        f"{type(provider).__name__} with {provider.num_moe_experts} experts and moe_grouped_gemm=True (it builds "
+        f"{container} experts, transformer_impl={impl!r})"
+    )
 
 
 def bridge_gpt_forward(model: nn.Module, batch: dict[str, Any]) -> Any:
@@ -256,6 +280,7 @@ class FP4QATBridgeCallback(BridgeCallbackBase):
                 "TensorRT-LLM checkpoint of an MoE is not written by this plugin. Export a unified HF checkpoint: "
                 "import the model through AutoBridge (its hf_model_id), or export={'kind': 'hf', 'hf_model': ID}."
             )
+        refuse_grouped_gemm(model, self.controller.policy)
         if self.controller.total_steps is None and getattr(cfg.train, "train_iters", None):
             self.controller.total_steps = int(cfg.train.train_iters)
         if not self._installed:

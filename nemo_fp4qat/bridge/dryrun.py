@@ -18,7 +18,7 @@ import torch
 from ..megatron_cpu import patched
 from ..qat.policy import LayerPolicy, PolicyTable
 
-__all__ = ["describe_run", "launch", "policy_plan"]
+__all__ = ["describe_run", "launch", "plan_substitutions", "policy_plan"]
 
 _GPU_FUSIONS = (
     "apply_rope_fusion",
@@ -54,8 +54,16 @@ def policy_plan(provider: Any, policy: str | dict | LayerPolicy, num_layers: int
 
     The copy is built on the meta device at tensor, pipeline and expert size 1 with megatron-core's local layer spec
     (Transformer Engine's layers, which need a GPU, name their linear layers alike), in a one-process group when
-    torch.distributed is not initialized (call it from a dry run, not inside a training run).
+    torch.distributed is not initialized (call it from a dry run, not inside a training run);
+    :func:`plan_substitutions` says what it builds otherwise than the recipe.
+
+    Raises:
+        ConfigError: the provider builds grouped experts (``moe_grouped_gemm=True``) that ``policy`` would quantize.
     """
+    from .callback import refuse_grouped_gemm
+
+    policy = LayerPolicy.resolve_spec(policy)
+    refuse_grouped_gemm(provider, policy)
     from megatron.bridge.models.gpt_provider import local_layer_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.enums import AttnBackend
@@ -93,7 +101,25 @@ def policy_plan(provider: Any, policy: str | dict | LayerPolicy, num_layers: int
 
             stack.enter_context(patched(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", object()))
         model = small.provide(pre_process=True, post_process=True)
-    return LayerPolicy.resolve_spec(policy).resolve(model)
+    return policy.resolve(model)
+
+
+def plan_substitutions(provider: Any) -> list[str]:
+    """What :func:`policy_plan` builds otherwise than ``provider`` would on GPUs, and why the names still hold."""
+    out = []
+    impl = getattr(provider, "transformer_impl", None)
+    if impl and impl != "local":
+        out.append(f"transformer_impl={impl!r} built as megatron-core's local spec: Transformer Engine needs a GPU "
+                   "(its linear layers take the same names)")  # fmt: skip
+    if getattr(provider, "num_moe_experts", None) and getattr(provider, "moe_grouped_gemm", False) and impl != "local":
+        out.append("moe_grouped_gemm=True (TEGroupedMLP experts, kept in 16 bits by the policy) built as "
+                   "SequentialMLP: Transformer Engine needs a GPU; the plan shows each expert's linears")  # fmt: skip
+    sizes = {k: getattr(provider, k, None) or 1 for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                                          "expert_model_parallel_size")}  # fmt: skip
+    if any(v > 1 for v in sizes.values()):
+        out.append("built at tensor, pipeline and expert size 1, two layers, on the meta device (module names do not "
+                   "depend on the parallel shape or the depth)")  # fmt: skip
+    return out
 
 
 def describe_run(cfg: Any, qat: Any) -> str:
@@ -111,6 +137,7 @@ def describe_run(cfg: Any, qat: Any) -> str:
         f"start from: {cfg.checkpoint.pretrained_checkpoint}",
         f"train: {cfg.train.train_iters} iters x {cfg.train.global_batch_size} sequences, lr {cfg.optimizer.lr}",
         f"qat: {qat.config}",
+        *(f"planned on this machine: {s}" for s in plan_substitutions(m)),
         f"policy on the model's modules (every one of its {m.num_layers} layers as layer 0 and 1):",
         policy_plan(m, qat.config.policy).format_table(),
     ])  # fmt: skip

@@ -21,13 +21,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..monitor.analysis import analyze_model
 from ..monitor.experts import ExpertLoad, expert_load_findings
 from ..monitor.findings import Finding, MonitorThresholds, add_finding, check_layer
 from ..monitor.report import summary_table, write_report
 from ..monitor.stages import exchange_findings, merge_stage_records
+from ..qat.parallel_groups import data_parallel_group
 from ..qat.pipeline_parallel import pipeline_world_size
 from ..qat.stage_names import stage_layer_offset, to_global_name
 from ..specs import ConfigError
@@ -145,18 +144,9 @@ class BridgeQuantizationMonitor(BridgeCallbackBase):
     def _expert_tokens(self) -> dict[str, list[int]]:
         """Tokens each routed expert received since the last measurement, summed over the data-parallel ranks (each
         routes its own tokens; under expert parallelism every rank's router still scores every expert)."""
-        counts = self.expert_load.counts
+        counts = self.expert_load.summed(data_parallel_group())
         self.expert_load.reset()
-        if not counts:
-            return {}
-        names = sorted(counts)
-        flat = torch.cat([counts[n] for n in names])
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            from megatron.core import parallel_state as ps
-
-            torch.distributed.all_reduce(flat, group=ps.get_data_parallel_group(with_context_parallel=True))
-        sizes = [len(counts[n]) for n in names]
-        return {n: [int(x) for x in part] for n, part in zip(names, torch.split(flat, sizes), strict=True)}
+        return counts
 
     def _find(self, step: int, layer: str, problem: str, metric: str, value: float, threshold: float) -> None:
         f = add_finding(self.findings, step, layer, problem, metric, value, threshold, self.action)

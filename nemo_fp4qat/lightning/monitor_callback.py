@@ -36,6 +36,8 @@ from ..monitor.findings import ACTIONS, Finding, MonitorThresholds, add_finding,
 from ..monitor.report import summary_table, write_report
 from ..monitor.stages import exchange_findings, merge_stage_records
 from ..numerics.metrics import quantization_error
+from ..qat.moe import module_standing_for
+from ..qat.parallel_groups import data_parallel_group
 from ..qat.stage_names import stage_layer_offset, to_global_name
 
 __all__ = ["QuantizationMonitor"]
@@ -301,9 +303,11 @@ class QuantizationMonitor(pl.Callback):
             )
 
     def _check_expert_load(self, trainer: pl.Trainer, step: int, metrics: dict[str, float]) -> dict[str, list[int]]:
-        """Tokens each routed expert received since the last measurement (per MoE layer, by the router's name);
-        dead and starved experts become findings under the expert's name (``<layer>.experts.<global index>``)."""
-        counts = self.expert_load.snapshot()
+        """Tokens each routed expert received since the last measurement (per MoE layer, by the router's name), summed
+        over the data-parallel ranks (each routes its own tokens; megatron's data-parallel group spans the expert-
+        parallel ranks, whose routers score every expert); dead and starved experts become findings under the
+        expert's name (``<layer>.experts.<global index>``)."""
+        counts = self.expert_load.summed(data_parallel_group())
         self.expert_load.reset()
         for router, per_expert in counts.items():
             for i, tokens in enumerate(per_expert):
@@ -335,7 +339,8 @@ class QuantizationMonitor(pl.Callback):
         if qat is None:
             return None
         local = {self._g(n): n for n in qat.controller.current}
-        return qat.controller.group_of(local[layer]) if layer in local else None
+        module = module_standing_for(layer, local)  # an expert's finding names the expert, not its linears
+        return qat.controller.group_of(local[module]) if module is not None else None
 
     def _rollback(self, trainer: pl.Trainer, group: str | None) -> None:
         qat = self._qat(trainer)

@@ -74,6 +74,22 @@ class ExpertLoad:
         """The counts as plain lists (for reports and logs)."""
         return {k: [int(x) for x in v] for k, v in sorted(self.counts.items())}
 
+    def summed(self, group: Any = None) -> dict[str, list[int]]:
+        """:meth:`snapshot` summed over the ranks of ``group`` (None: every rank), each of which routed its own
+        tokens: an expert that no token of this rank reached may have had others' (every rank must call it, with the
+        same routers hooked). One collective for all layers, on the device the group's backend reduces on."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1 or not self.counts:
+            return self.snapshot()
+        names = sorted(self.counts)
+        flat = torch.cat([self.counts[n] for n in names])
+        device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+        flat = flat.to(device)
+        dist.all_reduce(flat, group=group)
+        parts = torch.split(flat.cpu(), [len(self.counts[n]) for n in names])
+        return {n: [int(x) for x in part] for n, part in zip(names, parts, strict=True)}
+
 
 def starved_experts(counts: dict[str, list[int]], min_share: float) -> list[tuple[str, int, int, float]]:
     """``(router, expert, tokens, share of an even load)`` of each expert whose load is below ``min_share`` of an even

@@ -88,7 +88,8 @@ def auto_policy(
         name: the policy's name (in logs, reports and the YAML).
 
     Returns:
-        The policy: embeddings / output / norms / routers in full precision, then one rule per chosen format.
+        The policy: routers (their own group) and embeddings / output / norms in full precision, then one rule per
+        chosen format.
 
     Raises:
         ConfigError: an unknown format, one this modelopt version has no config for, or a budget outside
@@ -150,7 +151,9 @@ def auto_policy(
             fmt = _chosen(m)
             chosen.setdefault(fmt or "bf16", []).append(mod_name)
     del work, search
-    rules = [PolicyRule(patterns=list(keep.patterns), weight=None, group=keep.group)]
+    # the routers in their own group, as in the presets (a schedule offset or a rollback names it)
+    rules = [PolicyRule(patterns=list(router.patterns), weight=None, group=router.group, optional=True),
+             PolicyRule(patterns=list(embed.patterns), weight=None, group=embed.group)]  # fmt: skip
     for fmt in formats:
         if chosen.get(fmt):
             _, weight, inp = AUTO_FORMATS[fmt]

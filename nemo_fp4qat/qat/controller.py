@@ -24,7 +24,7 @@ from .config import QATConfig, check_levers
 from .fused_siblings import find_fused_siblings, share_fused_amax
 from .gptq import apply_gptq
 from .modelopt_compat import apply_quant_cfg, build_quant_cfg, calibration_algorithm
-from .moe import tie_expert_amax
+from .moe import module_standing_for, tie_expert_amax
 from .policy import POLICY_PRESETS, LayerPolicy, PolicyTable, element_bits, is_quantizer
 from .scale_levers import (
     LearnedScalesConfig,
@@ -354,10 +354,12 @@ class QATController:
         return events
 
     def group_of(self, layer: str) -> str | None:
-        """The layer group (policy rule) of the quantized module ``layer``; None for a module it does not quantize
-        (or before the policy is resolved)."""
+        """The layer group (policy rule) of the quantized module ``layer`` (or of the module a finding's name stands
+        for: an expert's, :func:`~.moe.module_standing_for`); None for a module it does not quantize (or before the
+        policy is resolved)."""
         targets = self._targets() if self.table is not None else {}
-        return targets[layer][2] if layer in targets else None
+        module = module_standing_for(layer, targets)
+        return targets[module][2] if module is not None else None
 
     def roll_back_layer(self, layer: str) -> int | None:
         """Roll back the layer group ``layer`` belongs to (:meth:`roll_back_group`); None for a layer it does not

@@ -33,7 +33,9 @@ __all__ = [
     "check_moe_formats",
     "expert_projections",
     "is_router",
+    "module_standing_for",
     "refuse_fused_experts",
+    "refuse_grouped_experts",
     "split_expert_name",
     "tie_expert_amax",
 ]
@@ -77,6 +79,23 @@ def expert_projections(names: Iterable[str]) -> dict[tuple[str, str], list[str]]
     return {key: [n for _, n in sorted(v)] for key, v in sorted(found.items())}
 
 
+def module_standing_for(name: str, modules: Iterable[str]) -> str | None:
+    """The module of ``modules`` that a finding about ``name`` stands for: ``name`` itself, else the first module
+    inside it (an expert's finding, ``<layer>.experts.<i>``, names the expert, not its linears), else, for an expert
+    named by its global index, the first module inside its layer's experts (megatron-core names them
+    ``experts.local_experts.<local index>``, and under expert parallelism another rank may hold expert ``i``: every
+    expert of a layer falls under one policy group)."""
+    names = set(modules)
+    if name in names:
+        return name
+    inside = sorted(n for n in names if n.startswith(f"{name}."))
+    if not inside:
+        head, _, index = name.rpartition(".")
+        if index.isdigit() and head.endswith(".experts"):
+            inside = sorted(n for n in names if n.startswith(f"{head}."))
+    return inside[0] if inside else None
+
+
 def _fused_weights(module: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
     """A fused expert container's own 3-D weights (``gate_up_proj`` of ``[experts, in, out]`` ...): gpt-oss's and
     Llama-4's experts, transformers 5's batched experts."""
@@ -110,6 +129,40 @@ def refuse_fused_experts(model: nn.Module, full_precision: Any) -> None:
                 "purpose with a policy rule that matches the container and gives it no format, e.g. "
                 "{patterns: ['*.mlp.experts'], weight: null, group: experts}."
             )
+
+
+# megatron-core's grouped expert containers (``moe_grouped_gemm=True``): all of a layer's experts in grouped GEMMs
+# (``TEGroupedMLP`` and its ``InferenceGroupedMLP``: Transformer Engine's grouped linears, ``weight0`` ...
+# ``weight{E-1}``; megatron-core <= 0.15's ``GroupedMLP``: ``weight1`` / ``weight2`` of every expert side by side),
+# not one linear layer per expert
+GROUPED_EXPERT_CONTAINERS = ("GroupedMLP", "TEGroupedMLP", "InferenceGroupedMLP")
+
+
+def grouped_experts_error(what: str) -> ConfigError:
+    """The refusal of grouped experts, ``what`` naming where they were found."""
+    return ConfigError(
+        f"{what}: megatron-core's grouped experts (moe_grouped_gemm=True: GroupedMLP, or TEGroupedMLP under "
+        "Transformer Engine) hold a layer's experts in grouped GEMMs, not one linear layer per expert, which is what "
+        "this plugin's policies quantize, calibrate (one input scale per projection across experts), export and "
+        "validate (modelopt 0.47 puts per-expert weight quantizers into Transformer Engine's grouped linears, but "
+        "this plugin does not tie, export or validate them yet); they would train in 16 bits while the policy says "
+        "FP4. Set moe_grouped_gemm=False (the model "
+        "config or recipe: cfg.model.moe_grouped_gemm = False builds SequentialMLP, one linear per expert, the same "
+        "parameters), or keep the experts in 16 bits on purpose with a policy rule that matches them and gives no "
+        "format, e.g. {patterns: ['*.mlp.experts*'], weight: null, group: experts}."
+    )
+
+
+def refuse_grouped_experts(model: nn.Module, full_precision: Any) -> None:
+    """Refuse a megatron-core model whose experts are grouped (:data:`GROUPED_EXPERT_CONTAINERS`) unless
+    ``full_precision(name)`` says the policy keeps them in 16 bits on purpose.
+
+    Raises:
+        ConfigError: naming the container and the ways forward.
+    """
+    for name, module in model.named_modules():
+        if type(module).__name__ in GROUPED_EXPERT_CONTAINERS and not full_precision(name):
+            raise grouped_experts_error(f"{name} ({type(module).__name__})")
 
 
 def check_moe_formats(rows: Iterable[Any]) -> None:

@@ -28,6 +28,7 @@ from .moe import (
     check_moe_formats,
     is_router,
     refuse_fused_experts,
+    refuse_grouped_experts,
 )
 
 # KV-cache formats a policy may request (TensorRT-LLM deploys FP8 KV caches from calibrated scales).
@@ -357,7 +358,7 @@ class LayerPolicy:
             return FULL_PRECISION
         return min(quant, key=lambda f: (element_bits(f), f.bits_per_element))
 
-    def _kept_in_full_precision(self, name: str) -> bool:
+    def keeps_in_full_precision(self, name: str) -> bool:
         """Whether a rule matching ``name`` (the first) keeps it in 16 bits; a default that names no module does not
         say so for a module it was never meant for."""
         rule = next((r for r in self.rules if r.matches(name)), None)
@@ -395,7 +396,8 @@ class LayerPolicy:
                     f"{sample}) or mark the rule 'optional: true'."
                 )
         check_moe_formats(rows)
-        refuse_fused_experts(model, self._kept_in_full_precision)
+        refuse_fused_experts(model, self.keeps_in_full_precision)
+        refuse_grouped_experts(model, self.keeps_in_full_precision)
         table = PolicyTable(rows)
         if not any(r.quantized for r in rows):
             raise ValueError(

@@ -104,6 +104,42 @@ def test_qwen3_moe_nvfp4_qad_example_builds_bridges_moe_recipe_and_files_every_e
         assert rows[f"decoder.layers.{layer}.self_attention.linear_qkv"] == ["attention", "fp8", "fp8"]
         experts = {n: r for n, r in rows.items() if n.startswith(f"decoder.layers.{layer}.mlp.experts.")}
         assert len(experts) == 128 * 2 and all(r == ["experts", "nvfp4", "nvfp4"] for r in experts.values())
+    # what the plan built otherwise than the recipe on GPUs is said, not swapped silently
+    assert "planned on this machine: transformer_impl='transformer_engine' built as megatron-core's local spec" in out
+
+
+_GROUPED = """
+from megatron.bridge.recipes.qwen.h100.qwen3_moe import qwen3_30b_a3b_sft_8gpu_h100_bf16_config
+from nemo_fp4qat import QATConfig
+from nemo_fp4qat.bridge import FP4QATBridgeCallback
+from nemo_fp4qat.specs import ConfigError
+
+cfg = qwen3_30b_a3b_sft_8gpu_h100_bf16_config()
+print("grouped", cfg.model.moe_grouped_gemm, cfg.model.transformer_impl)
+cfg.model.virtual_pipeline_model_parallel_size = None  # as the example sets it (the interleaved schedule: refused)
+try:
+    FP4QATBridgeCallback(QATConfig(policy="default", distillation="qad")).install(cfg)
+except ConfigError as e:
+    print("refused:", e)
+rules = [{"patterns": ["*.mlp.experts*"], "weight": None, "group": "experts"},
+         {"patterns": ["*.mlp.router"], "weight": None, "group": "router"}]
+FP4QATBridgeCallback(QATConfig(policy={"rules": rules, "default": "nvfp4"}, distillation="qad")).install(cfg)
+print("kept 16-bit: installed")
+"""
+
+
+def test_bridges_moe_recipe_with_grouped_experts_is_refused_by_name_before_training(tmp_path):
+    """Bridge's Qwen3-30B-A3B recipe as it ships builds TEGroupedMLP experts (moe_grouped_gemm=True under Transformer
+    Engine), which the policy's per-expert rules would miss: refused when the callback is installed, before any
+    module exists, naming the setting and the fix; a policy that keeps the experts in 16 bits on purpose goes on."""
+    _offline_hub(tmp_path / "hf", "Qwen3-30B-A3B", QWEN3_30B_A3B, owner="Qwen", commit=QWEN3_REVISION)
+    proc = subprocess.run([sys.executable, "-c", _GROUPED], capture_output=True, text=True, timeout=600,
+                          env=worker_env(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1"))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "grouped True transformer_engine" in out
+    assert "refused: " in out and "moe_grouped_gemm=True (it builds TEGroupedMLP experts" in out, out
+    assert "cfg.model.moe_grouped_gemm = False" in out and "kept 16-bit: installed" in out
 
 
 def test_calibrated_and_learned_weight_scales_are_refused_on_bridge_by_name():

@@ -37,12 +37,15 @@ def tiny_gpt(tp: int = 1, devices: int = 1, seq_length: int = 32, pp: int = 1,
     return llm.GPTModel(cfg, tokenizer=data.tokenizer, optim=_adam()), data
 
 
+ADAM_LR = 1e-3  # the tests' NeMo runs: Adam at a constant learning rate
+
+
 def _adam() -> Any:
     from megatron.core.optimizer import OptimizerConfig
     from nemo import lightning as nl
 
     return nl.MegatronOptimizerModule(
-        config=OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0, use_distributed_optimizer=False)
+        config=OptimizerConfig(optimizer="adam", lr=ADAM_LR, clip_grad=0.0, use_distributed_optimizer=False)
     )
 
 

@@ -71,3 +71,59 @@ def test_the_monitor_counts_tokens_per_expert_names_a_dead_one_and_catches_inf_i
     nonfinite = [f for f in report["findings"] if f["problem"] == "nonfinite"]
     assert [f["layer"] for f in nonfinite] == ["model.layers.1.mlp.experts.1.down_proj"]
     assert nonfinite[0]["metric"] == "input_nonfinite"
+
+
+def test_a_dead_expert_rolls_its_experts_group_back():
+    """action="rollback": a dead expert's finding names the expert, not a quantized linear; it rolls back the policy
+    group its linears belong to."""
+    model = tiny_moe("qwen3", seed=1)
+
+    def never_expert_3(module, args, logits):
+        logits = logits.clone()
+        logits[..., 3] = -1e4
+        return logits
+
+    model.model.layers[0].mlp.gate.register_forward_hook(never_expert_3)
+    qat = FP4QATCallback(policy="default", calibration=16, module_getter=lambda lit: lit.net)
+    monitor = QuantizationMonitor(every_n_steps=2, action="rollback", module_getter=lambda lit: lit.net)
+    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[qat, monitor])  # fmt: skip
+    trainer.fit(LitLM(model), loader(n=16, batch_size=8, seq_len=16))
+    assert {f.layer for f in monitor.findings if f.problem == "dead_expert"} == {"model.layers.0.mlp.experts.3"}
+    assert set(qat.controller.pins) == {"experts"}
+
+
+def _summed_worker(rank: int, init: str, out: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from nemo_fp4qat.monitor.experts import ExpertLoad, expert_load_findings
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        router = torch.nn.Linear(8, 4, bias=False)
+        with torch.no_grad():
+            router.weight.zero_()
+            router.weight[rank * 2, :] = 1.0  # rank 0 routes every token to expert 0, rank 1 to expert 2 (top-1)
+        model = torch.nn.Module()
+        model.mlp = torch.nn.Module()
+        model.mlp.gate, model.mlp.top_k = router, 1  # an MoE block's router and how many experts it picks
+        load = ExpertLoad()
+        assert load.attach(model) == 1
+        router(torch.ones(5 + rank, 8))
+        out[rank] = {"mine": load.snapshot(), "summed": load.summed(),
+                     "dead": [f[0] for f in expert_load_findings(load.summed(), 0.1)]}  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_token_counts_are_summed_over_the_ranks_before_an_expert_is_called_dead(tmp_path):
+    """Each data-parallel rank routes its own tokens: an expert no token of one rank reached had the other's, so the
+    counts are summed over the ranks before any expert is reported dead."""
+    from two_ranks import run_two_ranks
+
+    ranks = run_two_ranks(_summed_worker, f"file://{tmp_path / 'store'}")
+    assert ranks[0]["mine"] == {"mlp.gate": [5, 0, 0, 0]} and ranks[1]["mine"] == {"mlp.gate": [0, 0, 6, 0]}
+    for r in (0, 1):
+        assert ranks[r]["summed"] == {"mlp.gate": [5, 0, 6, 0]}
+        assert ranks[r]["dead"] == ["mlp.experts.1", "mlp.experts.3"]

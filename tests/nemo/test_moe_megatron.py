@@ -131,3 +131,42 @@ def test_expert_parallel_qad_equals_one_rank_step_for_step(tmp_path):
             torch.testing.assert_close(value, one["amax"][_global(name, r)], rtol=0, atol=1e-6, msg=name)
         for name, value in two[r]["state"].items():
             torch.testing.assert_close(value, one["state"][_global(name, r)], rtol=0, atol=1e-5, msg=name)
+
+
+def _model_with(experts: torch.nn.Module) -> torch.nn.Module:
+    """A layer's names as megatron-core's GPT gives them: attention, router and the experts' container."""
+    layer = torch.nn.Module()
+    layer.self_attention = torch.nn.Module()
+    layer.self_attention.linear_qkv = torch.nn.Linear(16, 48)
+    layer.mlp = torch.nn.Module()
+    layer.mlp.router = torch.nn.Linear(16, 4)
+    layer.mlp.experts = experts
+    model = torch.nn.Module()
+    model.decoder = torch.nn.Module()
+    model.decoder.layers = torch.nn.ModuleList([layer])
+    return model
+
+
+@pytest.mark.parametrize("container", ["GroupedMLP", "TEGroupedMLP"])
+def test_grouped_experts_are_refused_by_name_unless_the_policy_keeps_them_16_bit(container):
+    """megatron-core's grouped experts (moe_grouped_gemm=True) are not one linear per expert: a policy that would
+    quantize them is refused, naming the container and the fix; a rule keeping them in 16 bits lets the model on."""
+    from megatron.core.transformer.moe import experts as mcore_experts
+
+    from nemo_fp4qat import LayerPolicy
+    from nemo_fp4qat.specs import ConfigError
+
+    cls = getattr(mcore_experts, container)
+    grouped = cls.__new__(cls)  # their construction needs grouped_gemm / Transformer Engine (CUDA); the class is real
+    torch.nn.Module.__init__(grouped)
+    grouped.weight1 = torch.nn.Parameter(torch.zeros(16, 4 * 32))  # every expert's fc1 side by side
+    grouped.weight2 = torch.nn.Parameter(torch.zeros(4 * 32, 16))
+    model = _model_with(grouped)
+    with pytest.raises(ConfigError, match=rf"decoder\.layers\.0\.mlp\.experts \({container}\).*moe_grouped_gemm=False"):
+        LayerPolicy.resolve_spec("default").resolve(model)
+    rules = [{"patterns": ["*.mlp.experts*"], "weight": None, "group": "experts"},
+             {"patterns": ["*.mlp.router"], "weight": None, "group": "router"},
+             {"patterns": ["*linear_qkv"], "weight": "fp8", "group": "attention"}]  # fmt: skip
+    keep = {"rules": rules, "default": None}
+    table = LayerPolicy.resolve_spec(keep).resolve(model)
+    assert [r.module for r in table.rows if r.quantized] == ["decoder.layers.0.self_attention.linear_qkv"]

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from nemo_tiny import ADAM_LR
 from nemo_worker_run import run_worker
 from safetensors.torch import load_file
 
@@ -89,8 +90,11 @@ def test_expert_parallel_2_trains_as_one_rank_and_exports_the_same_checkpoint(im
     assert json.loads((tmp_path / "export" / "validation.json").read_text())["ok"]
     a, b = _tensors(export), _tensors(tmp_path / "export")
     assert a.keys() == b.keys()
+    steps = len(one["losses"])
     for key in a:
         if ".experts." in key:  # every expert's codes and scales, gathered from both ranks
             assert torch.equal(a[key].reshape(-1).view(torch.uint8), b[key].reshape(-1).view(torch.uint8)), key
-        else:  # the replicated layers: trained on different shapes, alike to float32 rounding
-            torch.testing.assert_close(a[key].float(), b[key].float(), rtol=1e-3, atol=1e-5)
+        else:  # the replicated layers, trained on other shapes: their gradients differ in rounding only, which Adam
+            # can turn into whole steps where a gradient is near zero (its update is about lr in size whatever the
+            # gradient's); two runs part by at most one step each way per step, and the 16-bit export rounds
+            torch.testing.assert_close(a[key].float(), b[key].float(), rtol=2**-10, atol=2 * ADAM_LR * steps)

@@ -9,7 +9,7 @@ from nemo_fp4qat import LayerPolicy
 from nemo_fp4qat.qat.auto_policy import auto_policy
 from nemo_fp4qat.specs import ConfigError
 
-from tiny_models import VOCAB, tiny_llama
+from tiny_models import VOCAB, tiny_llama, tiny_moe
 
 
 def _cost() -> dict[tuple[str, str], float]:
@@ -83,3 +83,12 @@ def test_auto_policy_refuses_what_it_cannot_search():
         auto_policy(model, _batches(1), effective_bits=4.1, formats=("nvfp4", "fp8"))
     with pytest.raises(ConfigError, match="at least one batch"):
         auto_policy(model, [], effective_bits=6.0)
+
+
+def test_auto_policy_files_an_moes_routers_in_their_own_group():
+    """Routers stay in 16 bits in a group of their own, as in the presets: a schedule offset or a monitor rollback
+    names them apart from the embeddings."""
+    model = tiny_moe("qwen3", seed=1)
+    policy = auto_policy(model, _batches(), effective_bits=7.0, formats=_formats())
+    groups = policy.resolve(model).groups()
+    assert sorted(groups["router"]) == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]

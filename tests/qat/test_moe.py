@@ -194,3 +194,18 @@ def test_a_switch_recalibrates_and_keeps_the_experts_tied():
     for names in expert_projections(n for n, m in modules.items() if isinstance(m, torch.nn.Linear)).values():
         q = [modules[n].input_quantizer for n in names]
         assert q[0].num_bits == (2, 1) and len({float(x.amax) for x in q}) == 1
+
+
+def test_a_finding_about_an_expert_stands_for_a_module_it_holds():
+    from nemo_fp4qat.qat.moe import module_standing_for
+
+    hf = ["model.layers.0.mlp.experts.3.gate_proj", "model.layers.0.mlp.experts.3.down_proj", "model.layers.0.mlp.gate"]
+    assert module_standing_for("model.layers.0.mlp.gate", hf) == "model.layers.0.mlp.gate"
+    assert module_standing_for("model.layers.0.mlp.experts.3", hf) == "model.layers.0.mlp.experts.3.down_proj"
+    assert module_standing_for("model.layers.0.mlp.experts.5", hf) == "model.layers.0.mlp.experts.3.down_proj"
+    assert module_standing_for("model.layers.1.mlp.experts.3", hf) is None
+    # megatron-core: the expert by its global index, its linears under local_experts (maybe another rank's)
+    mc = ["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1", "decoder.layers.0.self_attention.linear_qkv"]
+    assert module_standing_for("decoder.layers.0.mlp.experts.7", mc) == mc[0]
+    assert module_standing_for("decoder.layers.0.mlp.router", mc) is None
+    assert module_standing_for("decoder.layers.0.self_attention.3", mc) is None  # not an expert
