@@ -247,7 +247,8 @@ def render_qad_budget(q: dict[str, Any]) -> list[str]:
         rec = f"{r['recovery']:.3f}" if "recovery" in r else ""
         mc = f"{r['mc']['acc']:.3f}" if "mc" in r else ""
         train = f"{r['train_s']:.0f}" if "train_s" in r else ""
-        lines.append(f"| {r['tokens']:,} | {r['run']} | {lr} | {r['ppl']:.3f} | {gap} | {rec} | {mc} | "
+        run = r["run"].rsplit(" lr ", 1)[0]  # the learning rate has its own column
+        lines.append(f"| {r['tokens']:,} | {run} | {lr} | {r['ppl']:.3f} | {gap} | {rec} | {mc} | "
                      f"{r.get('export', '')} | {train} |")  # fmt: skip
     if q.get("skipped"):
         lines += ["", "Not run (past the section's deadline): " + "; ".join(f"`{s['run']}`" for s in q["skipped"])

@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from ..numerics.formats import QuantFormat, get_format
 from ..numerics.weight_reuse import clear_weight_reuse
+from ..specs import ConfigError
 from .block_scale_search import DEFAULT_MIN_RATIO, BlockClip, clip_nvfp4_weights, input_second_moments
 from .calibration import CalibrationConfig, default_forward, run_calibration, sync_amax_across_ranks
 from .config import QATConfig, check_levers
@@ -64,6 +65,26 @@ def _check_offset_groups(offsets: dict[str, Any], policy: LayerPolicy) -> None:
                 f"Schedule group_offsets names group {g!r}, which policy {policy.name!r} does not have "
                 f"(groups: {sorted(groups)}).{hint}"
             )
+
+
+def refuse_attention_modelopt_cannot_convert(model: nn.Module, error: AssertionError) -> None:
+    """modelopt (0.37) converts every Hugging Face attention class it meets for KV-cache quantization, rewriting its
+    ``forward``; on a decorated ``forward`` (Jamba's SDPA attention) it fails a bare ``assert``.
+
+    Raises:
+        ConfigError: when ``error`` came from there, naming the model and the ways forward.
+    """
+    import traceback
+
+    import modelopt
+
+    frames = traceback.extract_tb(error.__traceback__)
+    if frames and frames[-1].filename.replace("\\", "/").endswith("quantization/plugins/attention.py"):
+        raise ConfigError(
+            f"modelopt {modelopt.__version__} cannot quantize {type(model).__name__}: converting its attention for "
+            "KV-cache quantization fails on the attention's decorated forward (a modelopt limitation, not this "
+            "policy's). modelopt 0.47 converts it: install nvidia-modelopt>=0.47."
+        ) from error
 
 
 class QATController:
@@ -153,7 +174,11 @@ class QATController:
 
         table = self.resolve(model)
         self.current = self.formats_at(0)
-        mtq.quantize(model, self._quant_cfg(), forward_loop=None)
+        try:
+            mtq.quantize(model, self._quant_cfg(), forward_loop=None)
+        except AssertionError as e:
+            refuse_attention_modelopt_cannot_convert(model, e)
+            raise
         return table
 
     @property

@@ -12,7 +12,9 @@ users print and that drives the modelopt config.
 from __future__ import annotations
 
 import fnmatch
+import re
 import warnings
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,8 +38,10 @@ KV_CACHE_FORMATS = frozenset({"fp8"})
 
 __all__ = [
     "ENGINE_RUNTIMES",
+    "LINEAR_ATTENTION",
     "POLICY_PRESETS",
     "RUNTIMES",
+    "SSM_MIXER",
     "TRTLLM_PRESETS",
     "LayerPolicy",
     "PolicyRow",
@@ -46,6 +50,8 @@ __all__ = [
     "element_bits",
     "is_quantizable_linear",
     "is_quantizer",
+    "layers_feeding_attention",
+    "refuse_quantized_conv1d",
 ]
 
 # Linear layer classes modelopt quantizes, by class name so megatron-core/TE need not be imported.
@@ -82,6 +88,9 @@ class PolicyRule:
         input: format for the input (activation) quantizer; defaults to ``weight``'s format.
         group: layer-group name used by schedules (offsets) and logs.
         optional: if False, resolving against a model where no pattern matches is an error.
+        feeds_attention: match only the sequence mixer (Mamba, linear attention) of the layer nearest before each
+            attention layer of a hybrid model (its output is that attention's input), found from the model's own
+            layers, not from fixed indices: what NVIDIA's Nemotron 3 Nano NVFP4 recipe keeps in 16 bits.
     """
 
     patterns: list[str]
@@ -89,6 +98,7 @@ class PolicyRule:
     input: str | None = "same"
     group: str = "other"
     optional: bool = False
+    feeds_attention: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.patterns, str):
@@ -122,6 +132,34 @@ _MLP = [
 ]  # fmt: skip
 
 
+# Hybrid models' sequence mixers, each a group of its own. State-space (Mamba, Mamba-2) projections: Hugging Face
+# ``mamba.*`` (Jamba, Bamba, FalconH1, Zamba, GraniteMoeHybrid) or ``mixer.*`` (Mamba, Mamba-2, NemotronH;
+# megatron-core's MambaMixer); their attention layers use q/k/v/o names, so ``mixer.in_proj`` is always Mamba's.
+SSM_MIXER = (
+    "*mamba.in_proj", "*mamba.out_proj", "*mamba.x_proj", "*mamba.dt_proj",
+    "*mixer.in_proj", "*mixer.out_proj", "*mixer.x_proj", "*mixer.dt_proj",
+)  # fmt: skip
+# Linear attention (Qwen3-Next's gated DeltaNet, ``linear_attn``); its small a/b projections stay 16-bit (below).
+LINEAR_ATTENTION = ("*linear_attn.in_proj_qkvz", "*linear_attn.out_proj")
+# Always 16-bit: the mixers' depthwise convolution (a rule that quantizes it is refused: refuse_quantized_conv1d),
+# the gated DeltaNet's a/b projections, Nemotron 3's latent MoE projections and multi-token-prediction layers (as
+# modelopt's Mamba-MoE recipes keep them).
+_HYBRID_16BIT = [
+    dict(patterns=["*conv1d"], weight=None, group="conv1d", optional=True),
+    dict(patterns=["*linear_attn.in_proj_ba", "*linear_attn.in_proj_a", "*linear_attn.in_proj_b"], weight=None,
+         group="linear_attention_gates", optional=True),
+    dict(patterns=["*fc1_latent_proj", "*fc2_latent_proj"], weight=None, group="latent_proj", optional=True),
+    dict(patterns=["mtp.*", "*.mtp.*"], weight=None, group="multi_token_prediction", optional=True),
+]  # fmt: skip
+
+
+def _mixer_rules(weight: str | None) -> list[dict[str, Any]]:
+    """The hybrid models' 16-bit modules, then the state-space and linear-attention mixers in ``weight`` (each
+    optional: a plain transformer has none)."""
+    return [*_HYBRID_16BIT, dict(patterns=list(SSM_MIXER), weight=weight, group="ssm_mixer", optional=True),
+            dict(patterns=list(LINEAR_ATTENTION), weight=weight, group="linear_attention", optional=True)]  # fmt: skip
+
+
 def _mlp_rules(weight: str = "nvfp4", mlp_input: str = "same") -> list[dict[str, Any]]:
     """Shared experts, routed experts and dense MLPs, each a group of its own (in that order: the expert globs are
     narrower than the MLP's projection names, which expert linears also carry), all in one format. Each is optional:
@@ -142,9 +180,29 @@ def _attention_mlp(
     """Routers, embeddings / output / norms in full precision, attention in ``attention``, MLP and experts NVFP4
     weights with ``mlp_input`` activations, other linears ``default``: the shape the attention-vs-MLP presets
     share."""
-    rules = [_ROUTER, _EMBED_OUT_NORM, dict(patterns=_ATTENTION, weight=attention, group="attention"),
-             *_mlp_rules("nvfp4", mlp_input)]  # fmt: skip
+    # attention is optional: a pure state-space model (Mamba, Mamba-2) has none
+    rules = [_ROUTER, _EMBED_OUT_NORM, *_mixer_rules(attention), dict(patterns=_ATTENTION, weight=attention,
+             group="attention", optional=True), *_mlp_rules("nvfp4", mlp_input)]  # fmt: skip
     return {"rules": rules, "default": default, "runtime": runtime}
+
+
+def _hybrid_moe(
+    attention: str | None, mixer: str | None, shared_experts: str, feeding_attention: str | None = "same"
+) -> list[dict[str, Any]]:
+    """A hybrid Mamba / attention MoE's rules (NVIDIA's Nemotron 3 recipes, modelopt's Mamba-MoE configs): routers,
+    embeddings / output / norms, conv1d and the latent and MTP layers in 16 bits; the mixers nearest before each
+    attention layer in ``feeding_attention`` (``"same"``: as the other mixers), the other mixers in ``mixer``;
+    attention in ``attention``; shared experts ``shared_experts``, routed experts and dense MLPs NVFP4."""
+    rules = [_ROUTER, _EMBED_OUT_NORM, *_HYBRID_16BIT]
+    if feeding_attention != "same":
+        rules.append(dict(patterns=[*SSM_MIXER, *LINEAR_ATTENTION], weight=feeding_attention,
+                          group="mixer_feeding_attention", optional=True, feeds_attention=True))  # fmt: skip
+    rules += [dict(patterns=list(SSM_MIXER), weight=mixer, group="ssm_mixer", optional=True),
+              dict(patterns=list(LINEAR_ATTENTION), weight=mixer, group="linear_attention", optional=True),
+              dict(patterns=_ATTENTION, weight=attention, group="attention", optional=True),
+              dict(patterns=list(SHARED_EXPERT_PATTERNS), weight=shared_experts, group="shared_experts", optional=True),
+              *_mlp_rules()[1:]]  # fmt: skip
+    return rules
 
 
 # FP8 attention + NVFP4 MLP: what TensorRT-LLM deploys as MIXED_PRECISION (per-layer FP8 / NVFP4).
@@ -168,9 +226,18 @@ POLICY_PRESETS: dict[str, dict[str, Any]] = {
     "trtllm_mixed": _FP8_ATTENTION_NVFP4_MLP,
     # Keep embeddings, the output layer, norms and MoE routers in full precision; NVFP4 elsewhere (MoE experts and
     # shared experts in groups of their own, every other linear in the default's group).
-    "fp_embeddings": {"rules": [_ROUTER, _EMBED_OUT_NORM, *_mlp_rules()[:2]], "default": "nvfp4", "runtime": "trtllm"},
-    # MLP (experts included) in NVFP4 only; other linear layers stay in full precision.
-    "aggressive_mlp": {"rules": [_ROUTER, _EMBED_OUT_NORM, *_mlp_rules()], "default": None, "runtime": "trtllm"},
+    # Hybrid models' mixers in NVFP4 in groups of their own; conv1d 16-bit.
+    "fp_embeddings": {
+        "rules": [_ROUTER, _EMBED_OUT_NORM, *_mixer_rules("nvfp4"), *_mlp_rules()[:2]],
+        "default": "nvfp4",
+        "runtime": "trtllm",
+    },
+    # MLP (experts included) in NVFP4 only; other linear layers (hybrid models' mixers too) stay in full precision.
+    "aggressive_mlp": {
+        "rules": [_ROUTER, _EMBED_OUT_NORM, *_mixer_rules(None), *_mlp_rules()],
+        "default": None,
+        "runtime": "trtllm",
+    },
     # Attention projections at 8 bits with per-32 block scales (MXFP8: finer scaling than FP8's one
     # scale per tensor); everything else NVFP4. TensorRT-LLM has no dense MXFP8 kernel; vLLM and SGLang
     # load both formats from a unified HF checkpoint (and this plugin's server runs it).
@@ -179,6 +246,35 @@ POLICY_PRESETS: dict[str, dict[str, Any]] = {
     # FP8 attention. Same weight memory as "default"; on the demo model the MLP's NVFP4 *activations*
     # are about half of the FP4 perplexity loss (benchmarks/RESULTS.md), which this keeps out.
     "nvfp4_w4a8": _attention_mlp("fp8", mlp_input="fp8", default="fp8"),
+    # Hybrid Mamba / attention MoE models (the presets below name every group of theirs; the presets above file a
+    # hybrid's mixers with their attention's format). NVIDIA's Nemotron 3 Nano NVFP4 checkpoint: attention and the
+    # Mamba layer feeding each attention layer in 16 bits, the other Mamba layers, the routed and shared experts in
+    # NVFP4; routers, conv1d, lm_head 16-bit; FP8 KV cache. Served by vLLM (NVFP4 GEMMs: Blackwell).
+    "nemotron3_nano": {
+        "rules": _hybrid_moe(attention=None, mixer="nvfp4", shared_experts="nvfp4", feeding_attention=None),
+        "default": None,
+        "kv_cache": "fp8",
+        "runtime": "vllm",
+    },
+    # Nemotron 3 Super's recipe: routed experts NVFP4; shared experts and Mamba in/out projections FP8; attention,
+    # conv1d, the latent MoE projections and the MTP layers 16-bit.
+    "nemotron3_super": {
+        "rules": _hybrid_moe(attention=None, mixer="fp8", shared_experts="fp8"),
+        "default": None,
+        "runtime": "vllm",
+    },
+    # modelopt's MAMBA_MOE_NVFP4_AGGRESSIVE_CFG: NVFP4 W4A4 everywhere but attention, routers, conv1d, lm_head and
+    # the latent / MTP layers; _CONSERVATIVE_CFG also keeps every Mamba in/out projection 16-bit.
+    "mamba_moe_aggressive": {
+        "rules": _hybrid_moe(attention=None, mixer="nvfp4", shared_experts="nvfp4"),
+        "default": "nvfp4",
+        "runtime": "vllm",
+    },
+    "mamba_moe_conservative": {
+        "rules": _hybrid_moe(attention=None, mixer=None, shared_experts="nvfp4"),
+        "default": "nvfp4",
+        "runtime": "vllm",
+    },
 }
 # preset names kept for existing configs -> the name to use
 _OLD_NAMES = {"trtllm_mixed": "default"}
@@ -293,7 +389,8 @@ class LayerPolicy:
             )
         spec = POLICY_PRESETS[name]
         rules = [PolicyRule(**r) for r in spec["rules"]]
-        return cls(rules=rules, default=spec["default"], name=name, runtime=spec["runtime"])
+        return cls(rules=rules, default=spec["default"], name=name, runtime=spec["runtime"],
+                   kv_cache=spec.get("kv_cache"))  # fmt: skip
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> LayerPolicy:
@@ -369,15 +466,19 @@ class LayerPolicy:
         rows: list[PolicyRow] = []
         hits = [0] * len(self.rules)
         names: list[str] = []
+        feeding = layers_feeding_attention(n for n, _ in model.named_modules())
         for name, module in model.named_modules():
             if not name or is_quantizer(module):
                 continue
             names.append(name)
             quantizable = is_quantizable_linear(module)
             for i, rule in enumerate(self.rules):
-                if rule.matches(name):
+                feeds = feeding.get(_layer_of(name)) if rule.feeds_attention else None
+                if rule.matches(name) and (feeds is not None or not rule.feeds_attention):
                     hits[i] += 1
                     label = f"rule {i} ({', '.join(rule.patterns[:3])}{', ...' if len(rule.patterns) > 3 else ''})"
+                    if feeds is not None:
+                        label = f"rule {i}: feeds attention layer {feeds}"
                     if quantizable or not _is_container(module):
                         rows.append(PolicyRow(name, rule.group, label, rule.weight, rule.input, quantizable))
                     break
@@ -396,6 +497,7 @@ class LayerPolicy:
                     f"{sample}) or mark the rule 'optional: true'."
                 )
         check_moe_formats(rows)
+        refuse_quantized_conv1d(rows)
         refuse_fused_experts(model, self.keeps_in_full_precision)
         refuse_grouped_experts(model, self.keeps_in_full_precision)
         table = PolicyTable(rows)
@@ -424,6 +526,54 @@ def element_bits(fmt: QuantFormat) -> int:
 def is_quantizer(module: nn.Module) -> bool:
     """A modelopt quantizer module (TensorQuantizer, SequentialQuantizer ...), by class name."""
     return type(module).__name__.endswith("Quantizer")
+
+
+_LAYER = re.compile(r"^(?P<layer>.*\.layers\.(?P<index>\d+))\.")
+
+
+def _layer_of(name: str) -> str | None:
+    m = _LAYER.match(name)
+    return m.group("layer") if m else None
+
+
+def layers_feeding_attention(names: Iterable[str]) -> dict[str, int]:
+    """In a hybrid model, each layer holding a sequence mixer (:data:`SSM_MIXER` or :data:`LINEAR_ATTENTION`
+    projections) that is the nearest such layer before an attention layer: its prefix (``model.layers.3``) -> that
+    attention layer's index. Read from the module names, so any interleaving (Nemotron-H's pattern string, Jamba's
+    period, a parallel hybrid's every layer) is found as the model has it."""
+    mixers: dict[int, str] = {}
+    attention: set[int] = set()
+    for name in names:
+        m = _LAYER.match(name)
+        if m is None:
+            continue
+        index = int(m.group("index"))
+        if any(fnmatch.fnmatchcase(name, p) for p in (*SSM_MIXER, *LINEAR_ATTENTION)):
+            mixers[index] = m.group("layer")
+        elif any(fnmatch.fnmatchcase(name, p) for p in _ATTENTION):
+            attention.add(index)
+    out: dict[str, int] = {}
+    for a in sorted(attention):
+        before = [i for i in mixers if i < a]
+        if before:
+            out.setdefault(mixers[max(before)], a)
+    return out
+
+
+def refuse_quantized_conv1d(rows: Iterable[PolicyRow]) -> None:
+    """A state-space or linear-attention mixer's depthwise ``conv1d`` stays in 16 bits: no engine runs it quantized
+    and modelopt's recipes exclude it.
+
+    Raises:
+        ConfigError: a rule gives a ``conv1d`` a format, naming the module and the fix.
+    """
+    for r in rows:
+        if r.module.endswith("conv1d") and (r.weight != FULL_PRECISION.name or r.input != FULL_PRECISION.name):
+            raise ConfigError(
+                f"{r.module}: {r.rule} gives a sequence mixer's conv1d the format {r.weight}/{r.input}; conv1d stays "
+                "in 16 bits (no engine runs it quantized, modelopt's Mamba recipes exclude it). Put a rule "
+                "{patterns: ['*conv1d'], weight: null, group: conv1d} before the one that matches it."
+            )
 
 
 def _is_container(module: nn.Module) -> bool:

@@ -109,10 +109,10 @@ def test_qwen3_moe_nvfp4_qad_example_builds_bridges_moe_recipe_and_files_every_e
 
 
 _GROUPED = """
-from megatron.bridge.recipes.qwen.h100.qwen3_moe import qwen3_30b_a3b_sft_8gpu_h100_bf16_config
 from nemo_fp4qat import QATConfig
-from nemo_fp4qat.bridge import FP4QATBridgeCallback
+from nemo_fp4qat.bridge import FP4QATBridgeCallback  # first: it readies Bridge's import on a machine without TE
 from nemo_fp4qat.specs import ConfigError
+from megatron.bridge.recipes.qwen.h100.qwen3_moe import qwen3_30b_a3b_sft_8gpu_h100_bf16_config
 
 cfg = qwen3_30b_a3b_sft_8gpu_h100_bf16_config()
 print("grouped", cfg.model.moe_grouped_gemm, cfg.model.transformer_impl)

@@ -134,7 +134,8 @@ def test_expert_parallel_qad_equals_one_rank_step_for_step(tmp_path):
 
 
 def _model_with(experts: torch.nn.Module) -> torch.nn.Module:
-    """A layer's names as megatron-core's GPT gives them: attention, router and the experts' container."""
+    """A layer's names as megatron-core's GPT gives them: embedding, attention, router, the experts' container and
+    the final norm."""
     layer = torch.nn.Module()
     layer.self_attention = torch.nn.Module()
     layer.self_attention.linear_qkv = torch.nn.Linear(16, 48)
@@ -142,8 +143,11 @@ def _model_with(experts: torch.nn.Module) -> torch.nn.Module:
     layer.mlp.router = torch.nn.Linear(16, 4)
     layer.mlp.experts = experts
     model = torch.nn.Module()
+    model.embedding = torch.nn.Module()
+    model.embedding.word_embeddings = torch.nn.Embedding(32, 16)
     model.decoder = torch.nn.Module()
     model.decoder.layers = torch.nn.ModuleList([layer])
+    model.decoder.final_layernorm = torch.nn.LayerNorm(16)
     return model
 
 

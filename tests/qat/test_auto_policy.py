@@ -85,6 +85,9 @@ def test_auto_policy_refuses_what_it_cannot_search():
         auto_policy(model, [], effective_bits=6.0)
 
 
+# core only: modelopt 0.37's AutoQuantize scores (and picks formats for) each expert apart, which the MoE check
+# refuses (one format per layer's experts); 0.47 searches a layer's experts as one group
+@pytest.mark.core_only
 def test_auto_policy_files_an_moes_routers_in_their_own_group():
     """Routers stay in 16 bits in a group of their own, as in the presets: a schedule offset or a monitor rollback
     names them apart from the embeddings."""
