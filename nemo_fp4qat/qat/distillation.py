@@ -181,7 +181,11 @@ class Distiller:
     def mix(self, lm_loss: torch.Tensor) -> torch.Tensor:
         """The step's loss given the student's LM loss (uses the student forward just captured)."""
         if self._captured is None:
-            raise RuntimeError("QAD: no student forward was captured in this step.")
+            raise RuntimeError(
+                "QAD: no student forward in training mode was captured in this step. The student must run its forward "
+                "in train mode: a model put in .eval() before fit stays in eval mode under Lightning 2.x (it keeps "
+                "submodules' modes), so call model.train() before trainer.fit."
+            )
         args, kwargs, student_logits = self._captured
         self._captured = None
         dev = student_logits.device

@@ -54,3 +54,15 @@ def test_a_hybrid_trains_with_qad_and_exports_validated_under_the_nano_preset(fa
     assert feeding and all(algo(n) is None for n in feeding)
     assert experts and all(algo(n) == "NVFP4" for n in others + experts)
     assert declared["kv_cache_quant_algo"] == "FP8"
+
+
+def test_qad_of_a_model_left_in_eval_mode_says_so():
+    """Lightning keeps a submodule's eval mode through fit: the student then runs no training forward, and QAD says
+    why instead of failing without a cause."""
+    model = build("Bamba").eval()
+    qat = FP4QATCallback(policy="nemotron3_nano", schedule="direct", calibration=4, distillation="qad",
+                         module_getter=lambda lit: lit.net)  # fmt: skip
+    trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[qat])  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"stays in eval mode.*model\.train\(\) before trainer\.fit"):
+        trainer.fit(LitLM(model), loader(n=4, batch_size=4, seq_len=16))
