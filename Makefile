@@ -70,7 +70,8 @@ test-core-all: $(CORE)/.stamp
 # tests (marker `nemo`, which must run there). Tests marked `core_only` run in core only (each says why beside the
 # marker: the demo, serving and evaluation read through the plugin's own code; plain-torch rank tests; triton).
 test-nemo: $(NEMO)/.stamp
-	NEMO_FP4QAT_REQUIRE_NEMO=1 $(NEMO)/bin/python -m pytest -q -m "not core_only and not bridge and not slow_nemo" tests
+	NEMO_FP4QAT_REQUIRE_NEMO=1 $(NEMO)/bin/python -m pytest -q -m "not core_only and not bridge and not slow_nemo" \
+		$(if $(PYTEST_TMP),--basetemp=$(CURDIR)/.pytest-tmp/nemo) tests
 
 # Every NeMo test: make test's subset plus QAD and export under pipeline parallelism, TP x PP and the kill/resume test.
 test-nemo-all: $(NEMO)/.stamp
@@ -78,7 +79,8 @@ test-nemo-all: $(NEMO)/.stamp
 
 # Megatron-Bridge (marker `bridge`): the representative subset here; `make test-bridge-all` runs every Bridge test.
 test-bridge: $(BRIDGE)/.stamp
-	NEMO_FP4QAT_REQUIRE_BRIDGE=1 $(BRIDGE)/bin/python -m pytest -q -m "bridge and not slow_bridge" tests/bridge
+	NEMO_FP4QAT_REQUIRE_BRIDGE=1 $(BRIDGE)/bin/python -m pytest -q -m "bridge and not slow_bridge" \
+		$(if $(PYTEST_TMP),--basetemp=$(CURDIR)/.pytest-tmp/bridge) tests/bridge
 
 test-bridge-all: $(BRIDGE)/.stamp
 	NEMO_FP4QAT_REQUIRE_BRIDGE=1 $(BRIDGE)/bin/python -m pytest -q -m bridge tests/bridge
@@ -110,11 +112,14 @@ test-engines: $(CORE)/.stamp $(ENGINES)/.stamp $(SGLANG)/.stamp
 	NEMO_FP4QAT_ENGINES_PYTHON=$(CURDIR)/$(ENGINES)/bin/python NEMO_FP4QAT_SGLANG_PYTHON=$(CURDIR)/$(SGLANG)/bin/python \
 		$(CORE)/bin/python -m pytest -q -m engines tests
 
-# The three environments build side by side, then the suites run one after the other (each uses both cores).
+# The three environments build side by side; the core suite runs alone (it uses both cores), then the nemo and
+# Bridge suites side by side (Bridge's spends most of its time importing Megatron-Bridge in one process per test),
+# each with a temporary folder of its own and its output kept together.
 test:
 	$(MAKE) $(UV)
 	$(MAKE) -j3 env
-	$(MAKE) lint test-core test-nemo test-bridge
+	$(MAKE) lint test-core
+	$(MAKE) -j2 --output-sync=target test-nemo test-bridge PYTEST_TMP=1
 
 # Benchmark-only peers (torchao) live in their own folder, on PYTHONPATH for the accuracy bench only:
 # the package, its tests and transformers (which imports torchao when present) never see them.

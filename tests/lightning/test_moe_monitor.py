@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import lightning.pytorch as pl
+import pytest
 
 from nemo_fp4qat import FP4QATCallback, QuantizationMonitor
 
@@ -117,6 +118,7 @@ def _summed_worker(rank: int, init: str, out: dict) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.core_only  # core only: plain torch collectives over a router, no modelopt
 def test_expert_token_counts_are_summed_over_the_ranks_before_an_expert_is_called_dead(tmp_path):
     """Each data-parallel rank routes its own tokens: an expert no token of one rank reached had the other's, so the
     counts are summed over the ranks before any expert is reported dead."""

@@ -23,6 +23,8 @@ def _mixers(model: torch.nn.Module) -> list[str]:
     return [n for n, _ in model.named_modules() if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
 
 
+# core only: policy resolution matches module names, without modelopt
+@pytest.mark.core_only
 @pytest.mark.parametrize("preset", [p for p in POLICY_PRESETS if p != "trtllm_mixed"])
 @pytest.mark.parametrize("family", list(HYBRIDS))
 def test_every_preset_files_a_hybrids_mixers_on_purpose_and_keeps_conv1d_16_bit(family, preset):
@@ -45,6 +47,8 @@ def test_every_preset_files_a_hybrids_mixers_on_purpose_and_keeps_conv1d_16_bit(
     assert convs and all(rows[n].weight == rows[n].input == "bf16" for n in convs)
 
 
+# core only: policy resolution matches module names, without modelopt
+@pytest.mark.core_only
 @pytest.mark.parametrize(("family", "feeding"), [("Jamba", {0: 1, 2: 3}), ("Bamba", {0: 1, 2: 3}),
                                                 ("Qwen3Next", {0: 1, 2: 3}), ("FalconH1", {0: 1, 1: 2, 2: 3}),
                                                 ("NemotronH", {0: 1, 2: 3})])  # fmt: skip
@@ -68,6 +72,8 @@ def test_the_nano_preset_keeps_the_mixer_feeding_each_attention_layer_in_16_bits
     assert LayerPolicy.preset("nemotron3_nano").kv_cache == "fp8"
 
 
+# core only: policy resolution matches module names, without modelopt
+@pytest.mark.core_only
 def test_a_rule_that_quantizes_conv1d_is_refused_by_name():
     model = build("Bamba")
     policy = LayerPolicy(rules=[{"patterns": ["*mamba*"], "weight": "nvfp4", "group": "mamba"}], default="nvfp4")
