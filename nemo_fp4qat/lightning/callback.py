@@ -289,6 +289,11 @@ class FP4QATCallback(pl.Callback):
         if self.config.cuda_nvfp4_kernel is not None:
             set_cuda_nvfp4_kernel(self._kernel_before)
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """A fit that fails calls no ``teardown`` hook (Lightning 2.x): undo this callback's process-wide settings
+        (weight reuse, the CUDA kernel choice) and method patches here, so the process goes on as before the run."""
+        self.teardown(trainer, pl_module, "fit")
+
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         clear_weight_reuse()  # callbacks that swap in other weights (EMA, SWA) write them through .data
 

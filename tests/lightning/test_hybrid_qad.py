@@ -66,3 +66,7 @@ def test_qad_of_a_model_left_in_eval_mode_says_so():
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[qat])  # fmt: skip
     with pytest.raises(RuntimeError, match=r"stays in eval mode.*model\.train\(\) before trainer\.fit"):
         trainer.fit(LitLM(model), loader(n=4, batch_size=4, seq_len=16))
+    # the failed fit left nothing process-wide behind: weight fake quant is computed afresh again
+    from nemo_fp4qat.numerics.weight_reuse import weight_reuse_active
+
+    assert not weight_reuse_active()
