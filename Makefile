@@ -119,6 +119,7 @@ test:
 	$(MAKE) $(UV)
 	$(MAKE) -j3 env
 	$(MAKE) lint test-core
+	mkdir -p .pytest-tmp
 	$(MAKE) -j2 --output-sync=target test-nemo test-bridge PYTEST_TMP=1
 
 # Benchmark-only peers (torchao) live in their own folder, on PYTHONPATH for the accuracy bench only:
