@@ -81,25 +81,31 @@ def first_local_expert(module: nn.Module) -> int:
     return ps.get_expert_model_parallel_rank() * (int(module.config.num_moe_experts) // ep)
 
 
-def global_expert_name(name: str, offset: int) -> str:
-    """``...local_experts.<i>...`` under its global expert index (``i + offset``)."""
-    if not offset or ".local_experts." not in name:
-        return name
+def _reindexed_expert(name: str, shift: int) -> tuple[str, int] | None:
+    """``...local_experts.<i>...`` with ``i + shift`` as its index, and that index; None outside the experts."""
+    if ".local_experts." not in name:
+        return None
     head, tail = name.split(".local_experts.", 1)
     index, sep, rest = tail.partition(".")
-    return f"{head}.local_experts.{int(index) + offset}{sep}{rest}"
+    new = int(index) + shift
+    return f"{head}.local_experts.{new}{sep}{rest}", new
+
+
+def global_expert_name(name: str, offset: int) -> str:
+    """``...local_experts.<i>...`` under its global expert index (``i + offset``)."""
+    found = _reindexed_expert(name, offset) if offset else None
+    return found[0] if found else name
 
 
 def local_expert_name(name: str, offset: int, count: int) -> str | None:
     """The inverse of :func:`global_expert_name` on the rank whose ``count`` local experts start at global index
     ``offset``: ``...local_experts.<g>...`` as ``...local_experts.<g - offset>...``, None for another rank's expert;
     a name outside the experts as it is."""
-    if ".local_experts." not in name:
+    found = _reindexed_expert(name, -offset)
+    if found is None:
         return name
-    head, tail = name.split(".local_experts.", 1)
-    index, sep, rest = tail.partition(".")
-    local = int(index) - offset
-    return f"{head}.local_experts.{local}{sep}{rest}" if 0 <= local < count else None
+    local_name, local = found
+    return local_name if 0 <= local < count else None
 
 
 def all_reduce_flat(tensors: list[torch.Tensor], op: Any, group: Any) -> list[torch.Tensor]:
