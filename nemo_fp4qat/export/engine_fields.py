@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..qat.fused_siblings import ENGINE_FUSED_NAMES
+from ..qat.moe import split_expert_name
 
 __all__ = [
     "FUSED_SHARDS",
@@ -27,6 +28,7 @@ __all__ = [
     "engine_field_problems",
     "fused_aliases",
     "is_fused_alias",
+    "layer_entry",
     "unquantized_linears",
 ]
 
@@ -72,13 +74,24 @@ def is_fused_alias(name: str, quantized: dict[str, Any]) -> bool:
     return shards is not None and all(f"{prefix}.{s}" in quantized for s in shards)
 
 
+def layer_entry(name: str, quantized: dict[str, Any]) -> Any:
+    """The ``quantized_layers`` entry that gives module ``name`` its format: its own, or for an expert linear
+    (``<prefix>.experts.<i>.gate_proj``) its expert container's: modelopt lists a fused expert container once under
+    its own name (the name of the engines' fused MoE layer) and writes its experts as per-expert linears. None: the
+    table does not name it."""
+    entry = quantized.get(name)
+    if entry is None and (parts := split_expert_name(name)) is not None:
+        entry = quantized.get(parts[0])
+    return entry
+
+
 def unquantized_linears(out: str | Path, quantized: dict[str, Any]) -> list[str]:
     """The modules of the checkpoint in ``out`` with a 2-D weight that ``quantized`` (``quantized_layers``) does not
     name, other than the input embedding: the linear layers kept in 16 bits (``lm_head`` among them)."""
     return sorted(
         mod
         for mod, shape in _weight_shapes(Path(out)).items()
-        if len(shape) == 2 and mod not in quantized and not _INPUT_EMBEDDING.search(mod)
+        if len(shape) == 2 and layer_entry(mod, quantized) is None and not _INPUT_EMBEDDING.search(mod)
     )
 
 

@@ -28,7 +28,8 @@ import torch.nn as nn
 
 from ..qat.moe import expert_projections
 from .atomic import file_sha256, read_manifest
-from .engine_fields import engine_field_problems, is_fused_alias
+from .engine_fields import engine_field_problems, is_fused_alias, layer_entry
+from .hub_names import model_name_resolver
 from .layout import FLOAT_DTYPES, SCALE_NAMES, check_layout, layer_layout
 from .reader import group_by_module, load_export, merge_ranks
 from .runtime_support import (
@@ -106,7 +107,7 @@ def validate_export(
 
     def layer_algo(mod: str, t: dict[str, torch.Tensor]) -> str | None:
         if algo == "MIXED_PRECISION":
-            entry = mixed.get(mod)
+            entry = layer_entry(mod, mixed)
             return entry.get("quant_algo") if entry else None
         if any(fnmatch.fnmatch(mod, p) or mod == p for p in excludes):
             return None
@@ -115,6 +116,7 @@ def validate_export(
         return algo
 
     model_modules = dict(model.named_modules()) if model is not None else {}
+    model_name = model_name_resolver(model) if model is not None and kind == "hf" else (lambda name: name)
     skipped: dict[str, str] = {}  # quantized layers the numeric check could not compare, and why
     names = set(mods)
     for mod, t in sorted(mods.items()):
@@ -145,7 +147,7 @@ def validate_export(
                       "weights would overflow (weight_scale_2 must be amax / 448).")  # fmt: skip
             layout_ok = False
         if layout_ok and model is not None:
-            ref = model_reference(model_modules, mod, kind, config, names)
+            ref = model_reference(model_modules, model_name(mod), kind, config, names)
             if ref is None:
                 rep.numeric["layers_without_counterpart"] = rep.numeric.get("layers_without_counterpart", 0) + 1
                 skipped[mod] = "no layer of the given model maps to this exported layer"
@@ -160,7 +162,7 @@ def validate_export(
             else:
 
                 def unquantized(mod: str = mod) -> torch.Tensor | None:
-                    return model_reference(model_modules, mod, kind, config, names, quantized=False)
+                    return model_reference(model_modules, model_name(mod), kind, config, names, quantized=False)
 
                 compare_weights(rep, mod, a, t, ref, unquantized)
 
@@ -168,8 +170,9 @@ def validate_export(
         quantized = {m for m, a in rep.layers.items() if a is not None}
         compare_unquantized(rep, tensors, quantized, model, kind, config)
 
+    expert_containers = {layer for layer, _ in expert_projections(mods)}
     for mod in mixed:
-        if mod not in mods and not is_fused_alias(mod, mixed):
+        if mod not in mods and not is_fused_alias(mod, mixed) and mod not in expert_containers:
             rep.error(mod, "listed in quantized_layers but the checkpoint has no tensors for it.")
 
     # fused siblings: TRT-LLM loads q/k/v and gate/up as one GEMM with one input_scale / weight_scale_2

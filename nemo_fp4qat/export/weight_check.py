@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..qat.fused_experts import fused_expert_reference
 from .layout import FP4_ALGOS, NVFP4_WEIGHT_ALGOS
 from .reader import head_counts
 from .unpack import E2M1_VALUES, dequantize_linear, e8m0_to_float, unpack_e2m1_codes
@@ -91,7 +92,8 @@ def model_reference(
     if name in modules:
         return fq(modules[name])
     if kind == "hf":
-        return _mcore_part(modules, name, config, quantized)
+        fused = fused_expert_reference(modules, name, quantized)  # an expert of a fused container, exported split
+        return fused if fused is not None else _mcore_part(modules, name, config, quantized)
     for pat, leaves, block in _HF:  # Hugging Face model exported to a TRT-LLM checkpoint
         m = re.fullmatch(pat, name)
         found = [modules.get(f"model.layers.{m.group(1)}.{block}.{leaf}") for leaf in leaves] if m else []

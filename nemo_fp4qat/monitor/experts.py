@@ -1,9 +1,10 @@
 """Expert load in mixture-of-experts layers: how many tokens each routed expert receives, and which are starved.
 
 A dead or starved expert gets (almost) no gradient, so QAT cannot adapt it to its format, and what it holds is
-whatever calibration left. Counted by forward hooks on the routers, for both naming sets: a Hugging Face router is
+whatever calibration left. Counted by forward hooks on the routers, for both naming sets: a transformers 4 router is
 a linear layer whose logits the MoE block takes the top-k of (``mlp.gate``, ``block_sparse_moe.gate``; k is the
-block's ``top_k``); megatron-core's ``TopKRouter`` returns its routing map (tokens x experts) itself.
+block's ``top_k``); a transformers 5 router returns the experts it picked; megatron-core's ``TopKRouter`` returns its
+routing map (tokens x experts) itself.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class ExpertLoad:
             if not is_router(name) or "shared_expert_gate" in name:
                 continue
             parent = modules.get(name.rpartition(".")[0])
-            k = getattr(parent, "top_k", None) or getattr(module, "topk", None)
+            k = getattr(parent, "top_k", None) or getattr(module, "top_k", None) or getattr(module, "topk", None)
             key = (names or {}).get(name, name)
             self.top_k[key] = int(k or 1)
             self._hooks.append(module.register_forward_hook(self._hook(key, k)))
@@ -52,6 +53,10 @@ class ExpertLoad:
             with torch.no_grad():
                 if isinstance(output, tuple) and len(output) == 2 and output[1].dtype == torch.bool:
                     chosen = output[1].reshape(-1, output[1].shape[-1]).sum(0)  # megatron-core: the routing map
+                elif isinstance(output, tuple) and len(output) == 3 and not output[2].is_floating_point():
+                    # transformers 5's routers: (logits, top-k weights, top-k expert indices)
+                    experts = output[0].shape[-1]
+                    chosen = torch.bincount(output[2].reshape(-1), minlength=experts)
                 else:
                     logits = output[0] if isinstance(output, tuple) else output
                     logits = logits.reshape(-1, logits.shape[-1])

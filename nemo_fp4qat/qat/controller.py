@@ -9,6 +9,7 @@ and modelopt's own save/restore/export understand.
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +23,7 @@ from ..specs import ConfigError
 from .block_scale_search import DEFAULT_MIN_RATIO, BlockClip, clip_nvfp4_weights, input_second_moments
 from .calibration import CalibrationConfig, default_forward, run_calibration, sync_amax_across_ranks
 from .config import QATConfig, check_levers
+from .fused_experts import is_fused_projection, quantizer_glob, quantizer_owner
 from .fused_siblings import find_fused_siblings, share_fused_amax
 from .gptq import apply_gptq
 from .modelopt_compat import apply_quant_cfg, build_quant_cfg, calibration_algorithm
@@ -150,8 +152,33 @@ class QATController:
     # --- set-up -------------------------------------------------------------------------------
     def resolve(self, model: nn.Module) -> PolicyTable:
         self.table = self.policy.resolve(model)
+        self._refuse_levers_on_fused_experts(self.table)
         self.fused_groups = find_fused_siblings(model) if self.share_fused_amax else []
         return self.table
+
+    def _refuse_levers_on_fused_experts(self, table: PolicyTable) -> None:
+        """The calibration levers that rewrite or learn a linear layer's weight scales (GPTQ, smoothing, the block
+        scale search, static and learned NVFP4 scales) reach a linear layer's one weight quantizer, not a fused
+        expert container's per-expert ones: refused by name rather than left out of the experts silently."""
+        fused = [r.module for r in table.rows if r.quantized and is_fused_projection(r.module)]
+        cal = self.calibration
+        levers = {
+            "calibration.gptq": cal.gptq is not None,
+            "calibration.smoothing": cal.smoothing is not None,
+            "calibration.block_scale_search": cal.block_scale_search is not False,
+            f"calibration.weight_scale={cal.weight_scale!r}": cal.weight_scale != "max",
+            f"calibration.act_scale={cal.act_scale!r}": cal.act_scale != "max",
+            "learned_scales": self.learned_scales is not None,
+        }
+        used = [name for name, on in levers.items() if on]
+        if fused and used:
+            raise ConfigError(
+                f"{', '.join(used)} with fused experts ({fused[0]}{' ...' if len(fused) > 1 else ''}): these levers "
+                "act on a linear layer's one weight quantizer, not on the per-expert quantizers of a fused expert "
+                "container, so the experts would train without them. Turn them off for this model (max "
+                "calibration quantizes every expert), or keep the experts in 16 bits with a policy rule "
+                "{patterns: ['*.experts.*'], weight: null, group: experts}."
+            )
 
     def _targets(self) -> dict[str, tuple[QuantFormat, QuantFormat, str]]:
         assert self.table is not None
@@ -318,7 +345,8 @@ class QATController:
         for name, q in model.named_modules():
             if not is_quantizer(q):
                 continue
-            if name.rsplit(".", 1)[0] not in keep:
+            owner = quantizer_owner(name)
+            if owner is None or owner[0] not in keep:
                 amax = getattr(q, "_amax", None)
                 if isinstance(amax, torch.Tensor):
                     saved[name] = amax.detach().clone()
@@ -365,10 +393,13 @@ class QATController:
                 self.history.append(ev)
                 log.info("nemo_fp4qat: step %d: %s %s -> %s (%d modules)", step, group, frm, to, n)
             if self.schedule.ramp_steps > 0:
+                quantizers = [n for n, q in model.named_modules() if is_quantizer(q)]
                 for m in changed:
                     for kind, idx in (("weight", 0), ("input", 1)):
-                        if old[m][idx] != changed[m][idx]:
-                            qname = f"{m}.{kind}_quantizer"
+                        if old[m][idx] == changed[m][idx]:
+                            continue
+                        # one quantizer of a linear layer; every expert's of a fused projection
+                        for qname in fnmatch.filter(quantizers, quantizer_glob(m, kind)):
                             # a switch inside a running ramp: its hook blends with the format before that one;
                             # drop it so attach() blends with the format this switch leaves (as a resume does)
                             self._drop_ramp_hook(qname)
@@ -427,7 +458,7 @@ class QATController:
             old_fmt = get_format(r["old"])
             old_q = None
             if not old_fmt.is_full_precision:
-                kind = "weight" if qname.endswith("weight_quantizer") else "input"
+                kind = quantizer_owner(qname)[1]
                 attrs = {k: v for k, v in old_fmt.quantizer_cfg(kind).items() if k != "enable"}
                 old_q = TensorQuantizer(QuantizerAttributeConfig(**attrs))
                 old_q.to(next((b.device for b in q.buffers()), torch.device("cpu")))

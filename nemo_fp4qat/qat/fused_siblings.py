@@ -19,7 +19,13 @@ ENGINE_FUSED_NAMES: dict[tuple[str, ...], str] = {
     ("q_proj", "k_proj", "v_proj"): "qkv_proj",
     ("gate_proj", "up_proj"): "gate_up_proj",
 }
-FUSED_SIBLING_SETS: tuple[tuple[str, ...], ...] = (*ENGINE_FUSED_NAMES, ("w1", "w3"))  # w1/w3: Mixtral experts
+# w1/w3: Mixtral's experts; q_a_proj / kv_a_proj_with_mqa: multi-head latent attention's down projections
+# (DeepSeek-V2/V3, GLM-4 MoE Lite, Mistral 4), which read one input and deploy fused (vLLM's fused_qkv_a_proj)
+FUSED_SIBLING_SETS: tuple[tuple[str, ...], ...] = (
+    *ENGINE_FUSED_NAMES,
+    ("w1", "w3"),
+    ("q_a_proj", "kv_a_proj_with_mqa"),
+)
 
 
 def find_fused_siblings(model: nn.Module) -> list[list[str]]:

@@ -21,6 +21,7 @@ from typing import Any
 from packaging.version import Version
 
 from ..numerics.formats import QuantFormat, get_format
+from .fused_experts import quantizer_glob
 
 __all__ = [
     "QuantizerAssignment",
@@ -51,8 +52,8 @@ def uses_list_config() -> bool:
 def _entries(assignment: QuantizerAssignment) -> list[tuple[str, dict[str, Any]]]:
     out: list[tuple[str, dict[str, Any]]] = []
     for module_name, (wfmt, ifmt) in assignment.items():
-        out.append((f"{module_name}.weight_quantizer", get_format(wfmt).quantizer_cfg("weight")))
-        out.append((f"{module_name}.input_quantizer", get_format(ifmt).quantizer_cfg("input")))
+        out.append((quantizer_glob(module_name, "weight"), get_format(wfmt).quantizer_cfg("weight")))
+        out.append((quantizer_glob(module_name, "input"), get_format(ifmt).quantizer_cfg("input")))
     return out
 
 

@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from ..specs import ConfigError
+from .fused_experts import unsupported_fused_experts
 from .parallel_groups import expert_parallel_group
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
 # Routers (and Qwen2-MoE's shared-expert gate): the token-to-expert decision, kept in 16 bits by every policy.
 ROUTER_PATTERNS: tuple[str, ...] = (
     "*mlp.router", "*mlp.gate", "*block_sparse_moe.gate", "*shared_expert_gate", "*feed_forward.router",
+    "*mlp.router.gate",
 )  # fmt: skip
 # Routed experts, one module per expert (HF ``experts.N.*``, megatron-core ``experts.local_experts.N.*``).
 EXPERT_PATTERNS: tuple[str, ...] = ("*.experts.*",)
@@ -96,38 +98,25 @@ def module_standing_for(name: str, modules: Iterable[str]) -> str | None:
     return inside[0] if inside else None
 
 
-def _fused_weights(module: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
-    """A fused expert container's own 3-D weights (``gate_up_proj`` of ``[experts, in, out]`` ...): gpt-oss's and
-    Llama-4's experts, transformers 5's batched experts."""
-    if "Expert" not in type(module).__name__:
-        return []
-    return [(n, tuple(p.shape)) for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
-
-
 def refuse_fused_experts(model: nn.Module, full_precision: Any) -> None:
-    """Refuse a model whose experts live in fused containers (one 3-D weight per projection for all experts) unless
-    ``full_precision(name)`` says the policy keeps that container in 16 bits on purpose.
-
-    The policies format linear layers, one per expert; a fused container is not one, so its experts would train
-    unquantized while the policy table says the model is in FP4. modelopt inserts quantizers into some of them
-    (``_QuantGptOssExperts``, ``_QuantLlama4TextExperts``, its generic fused experts) but this plugin does not
-    format, calibrate, tie, export or validate them yet.
+    """Refuse a model whose experts live in fused containers of a layout this plugin does not format (gpt-oss's and
+    Llama-4's transposed weights, DBRX, GraniteMoe: :func:`~.fused_experts.unsupported_fused_experts`) unless
+    ``full_precision(name)`` says the policy keeps that container in 16 bits on purpose. transformers 5's standard
+    fused experts (``gate_up_proj`` / ``up_proj`` and ``down_proj``) are policy rows of their own.
 
     Raises:
         ConfigError: naming the container, its fused weights and the ways forward.
     """
-    for name, module in model.named_modules():
-        fused = _fused_weights(module)
-        if fused and not full_precision(name):
-            weights = ", ".join(f"{n} {list(shape)}" for n, shape in fused)
+    for name, weights in unsupported_fused_experts(model).items():
+        if not full_precision(name):
             raise ConfigError(
-                f"{name} ({type(module).__name__}) holds its experts fused ({weights}): one 3-D weight per "
-                "projection for all experts, not one linear layer per expert, which is what this plugin's policies "
-                "quantize, so these experts would silently train in 16 bits. Not supported yet. Use a model whose "
-                "experts are per-expert linears (Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek in transformers 4.x; "
-                "megatron-core's SequentialMLP, moe_grouped_gemm=False), or keep these experts in 16 bits on "
-                "purpose with a policy rule that matches the container and gives it no format, e.g. "
-                "{patterns: ['*.mlp.experts'], weight: null, group: experts}."
+                f"{name} ({weights}) holds its experts fused in a layout this plugin does not quantize (transformers "
+                "5's standard fused experts, [experts, out, in] gate_up_proj / up_proj and down_proj, are "
+                "supported; this one has modelopt wrappers of its own that the policies, calibration and export "
+                "checks here do not cover), so these experts would silently train in 16 bits. Keep them in 16 bits "
+                "on purpose with a policy rule that matches the container and gives it no format, e.g. "
+                "{patterns: ['*.mlp.experts'], weight: null, group: experts}, or use modelopt's own "
+                "mtq.quantize for this model."
             )
 
 

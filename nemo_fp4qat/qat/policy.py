@@ -14,7 +14,7 @@ from __future__ import annotations
 import fnmatch
 import re
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from ..numerics.formats import FULL_PRECISION, QuantFormat, get_format
 from ..specs import ConfigError, did_you_mean, from_fields
+from .fused_experts import fused_expert_containers
 from .moe import (
     EXPERT_PATTERNS,
     ROUTER_PATTERNS,
@@ -467,11 +468,10 @@ class LayerPolicy:
         hits = [0] * len(self.rules)
         names: list[str] = []
         feeding = layers_feeding_attention(n for n, _ in model.named_modules())
-        for name, module in model.named_modules():
-            if not name or is_quantizer(module):
-                continue
+        fused = {p: c for c in fused_expert_containers(model).values() for p in c.projection_names()}
+        for name, module in _policy_entries(model, fused):
             names.append(name)
-            quantizable = is_quantizable_linear(module)
+            quantizable = name in fused or is_quantizable_linear(module)
             for i, rule in enumerate(self.rules):
                 feeds = feeding.get(_layer_of(name)) if rule.feeds_attention else None
                 if rule.matches(name) and (feeds is not None or not rule.feeds_attention):
@@ -479,7 +479,7 @@ class LayerPolicy:
                     label = f"rule {i} ({', '.join(rule.patterns[:3])}{', ...' if len(rule.patterns) > 3 else ''})"
                     if feeds is not None:
                         label = f"rule {i}: feeds attention layer {feeds}"
-                    if quantizable or not _is_container(module):
+                    if quantizable or module is None or not _is_container(module):
                         rows.append(PolicyRow(name, rule.group, label, rule.weight, rule.input, quantizable))
                     break
             else:
@@ -574,6 +574,17 @@ def refuse_quantized_conv1d(rows: Iterable[PolicyRow]) -> None:
                 "in 16 bits (no engine runs it quantized, modelopt's Mamba recipes exclude it). Put a rule "
                 "{patterns: ['*conv1d'], weight: null, group: conv1d} before the one that matches it."
             )
+
+
+def _policy_entries(model: nn.Module, fused: dict[str, Any]) -> Iterator[tuple[str, nn.Module | None]]:
+    """The names a policy matches: every module of ``model`` but quantizers, each fused expert container followed by
+    its fused projections (``<container>.gate_up_proj`` ..., no module of their own: None)."""
+    for name, module in model.named_modules():
+        if not name or is_quantizer(module):
+            continue
+        yield name, module
+        for proj in (p for p in fused if p.rpartition(".")[0] == name):
+            yield proj, None
 
 
 def _is_container(module: nn.Module) -> bool:

@@ -91,8 +91,9 @@ def test_experts_of_one_layer_in_different_formats_are_refused_naming_the_layer(
 
 
 def test_fused_expert_containers_are_refused_unless_a_rule_keeps_them_in_16_bits():
-    """gpt-oss holds each layer's experts as one 3-D weight per projection (``GptOssExperts``): no policy formats them,
-    so a run would train them in 16 bits under a table that says FP4. Refused by name, unless a rule keeps them."""
+    """gpt-oss holds each layer's experts as one transposed 3-D weight per projection (``GptOssExperts``), a layout
+    the policies do not format, so a run would train them in 16 bits under a table that says FP4. Refused by name,
+    unless a rule keeps them."""
     from transformers import GptOssConfig, GptOssForCausalLM
 
     cfg = GptOssConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -101,8 +102,8 @@ def test_fused_expert_containers_are_refused_unless_a_rule_keeps_them_in_16_bits
                        tie_word_embeddings=False)  # fmt: skip
     model = GptOssForCausalLM(cfg)
     for preset in ("default", "aggressive_mlp"):
-        with pytest.raises(ConfigError, match=r"model.layers.0.mlp.experts \(GptOssExperts\) holds its experts fused "
-                                              r"\(gate_up_proj \[4, 64, 64\].*silently train in 16 bits"):  # fmt: skip
+        refusal = r"model.layers.0.mlp.experts \(GptOssExperts: gate_up_proj \[4, 64, 64\].*\) holds its experts fused "
+        with pytest.raises(ConfigError, match=refusal + r"in a layout .*silently train in 16 bits"):
             LayerPolicy.resolve_spec(preset).resolve(model)
     kept = LayerPolicy(rules=[FULL, {"patterns": ["*.mlp.experts"], "weight": None, "group": "experts"},
                               {"patterns": ["*self_attn.*"], "weight": "nvfp4", "group": "attention"}])  # fmt: skip

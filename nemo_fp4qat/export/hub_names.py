@@ -1,0 +1,63 @@
+"""The in-memory module of a unified HF checkpoint's module name.
+
+transformers 5 saves a model in its hub checkpoint's layout: ``save_pretrained`` (which modelopt's exporter calls)
+reverses the conversion mapping ``from_pretrained`` applies, so an exported name can differ from the module that
+trained it (Mixtral's ``block_sparse_moe.experts.<i>.w1`` / ``w3`` / ``w2`` for ``mlp.experts.gate_up_proj`` and
+``down_proj``; Laguna's ``shared_expert`` for ``shared_experts``). transformers' own mapping is read here, forwards,
+so the validation finds the trained weight of every exported layer without a table of its own to keep in step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.nn as nn
+
+__all__ = ["model_name_resolver"]
+
+# the leaf of an expert's first fused projection by its place among the converter's sources (gate, then up)
+_GATED_LEAVES = ("gate_proj", "up_proj")
+
+
+def _conversions(model: nn.Module) -> tuple[list[Any], list[Any]]:
+    """transformers' (renamings, converters) for ``model``; none where transformers has no mapping (4.x)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange, WeightConverter
+    except ImportError:
+        return [], []
+    try:
+        mapping = get_model_conversion_mapping(model, add_legacy=False)
+    except Exception:  # a model transformers does not know (megatron-core, plain torch)
+        return [], []
+    mapping = [m for m in mapping if not isinstance(m, PrefixChange)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    return [m for m in mapping if not isinstance(m, WeightConverter)], converters
+
+
+def model_name_resolver(model: nn.Module) -> Callable[[str], str]:
+    """A function from an exported module name to the name of the module that holds it in ``model``: the name
+    renamed as ``from_pretrained`` would load it, an expert linear merged into a fused projection named
+    ``<container>.experts.<i>.gate_proj`` / ``up_proj`` / ``down_proj`` (what
+    :func:`~nemo_fp4qat.qat.fused_experts.fused_expert_reference` reads). Identity where transformers has no
+    mapping."""
+    renamings, converters = _conversions(model)
+    if not renamings and not converters:
+        return lambda name: name
+    from transformers.core_model_loading import rename_source_key
+
+    def resolve(name: str) -> str:
+        key, _ = rename_source_key(f"{name}.weight", renamings, [])
+        for converter in converters:
+            _, pattern = rename_source_key(key, [], [converter])
+            if pattern is None:
+                continue
+            target = converter.target_patterns[0].rstrip(".").rpartition(".")[2]
+            place = converter.source_patterns.index(pattern)
+            prefix = key[: -len(".weight")].rpartition(".")[0]  # "<container>.experts.<i>"
+            leaf = _GATED_LEAVES[place] if target == "gate_up_proj" and place < 2 else target
+            return f"{prefix}.{leaf}"
+        return key[: -len(".weight")]
+
+    return resolve

@@ -1,0 +1,154 @@
+"""Fused expert containers: all of a MoE layer's experts in one 3-D weight per projection.
+
+transformers 5 holds every mixture-of-experts model's experts this way (``Qwen3MoeExperts.gate_up_proj [E, 2F, H]``
+and ``down_proj [E, H, F]``; NemotronH's non-gated ``up_proj [E, F, H]``). modelopt (>= 0.47) quantizes them with
+its fused-expert wrappers: one weight quantizer per expert (``gate_up_proj_weight_quantizers.<i>``) and one input
+quantizer per projection shared by every expert (``gate_up_proj_input_quantizer``, the one input scale the
+engines' fused MoE kernels take), and its unified HF export writes them as per-expert linears
+(``experts.<i>.gate_proj`` / ``up_proj`` / ``down_proj``).
+
+This plugin files each fused projection as one policy row named ``<container>.<projection>``
+(``model.layers.0.mlp.experts.gate_up_proj``): rules match it like a linear layer's name, and this module maps it to
+modelopt's quantizer names and back, and an exported expert linear to the trained weight it came from.
+
+The experts that follow another layout (gpt-oss's and Llama-4's transposed ``[E, H, 2F]`` weights with their own
+modelopt wrappers; DBRX, GraniteMoe) are not handled here and are refused by name where a policy would quantize them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+__all__ = [
+    "FusedExperts",
+    "fused_expert_containers",
+    "fused_expert_reference",
+    "is_fused_projection",
+    "quantizer_glob",
+    "quantizer_owner",
+    "unsupported_fused_experts",
+]
+
+# "<container>.experts.<projection>": a fused projection's policy name (per-expert linears carry an index between)
+_FUSED_NAME = re.compile(r"^(?P<container>.+\.experts)\.(?P<proj>gate_up_proj|up_proj|down_proj)$")
+# modelopt's fused-expert quantizers: "<container>.<projection>_weight_quantizers.<i>" / "..._input_quantizer"
+_FUSED_QUANTIZER = re.compile(
+    r"^(?P<container>.+\.experts)\.(?P<proj>gate_up_proj|up_proj|down_proj)_(?P<kind>weight|input)_quantizers?(\.\d+)?$"
+)
+# "<container>.experts.<i>.<projection>": an exported expert linear
+_EXPORTED_EXPERT = re.compile(r"^(?P<container>.+\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$")
+# fused containers with a transposed layout and wrappers of modelopt's own, which this plugin does not format
+_OTHER_LAYOUTS = ("GptOssExperts", "Llama4TextExperts")
+
+
+@dataclass(frozen=True)
+class FusedExperts:
+    """One fused expert container: its module name, expert count and fused projections (in forward order)."""
+
+    name: str
+    num_experts: int
+    projections: tuple[str, ...]
+
+    @property
+    def gated(self) -> bool:
+        return self.projections[0] == "gate_up_proj"
+
+    def projection_names(self) -> list[str]:
+        return [f"{self.name}.{p}" for p in self.projections]
+
+
+def _is_3d(module: nn.Module, attr: str) -> bool:
+    p = getattr(module, attr, None)
+    return isinstance(p, torch.Tensor) and p.dim() == 3
+
+
+def _standard_layout(module: nn.Module) -> tuple[str, ...] | None:
+    """The fused projections of a container in the layout modelopt's generic fused-expert wrappers take (the
+    structure they recognise: ``num_experts``, a 3-D ``down_proj`` and a 3-D ``gate_up_proj``, or a 3-D ``up_proj``
+    without a gate), else None."""
+    if type(module).__name__ in _OTHER_LAYOUTS or not hasattr(module, "num_experts") or not _is_3d(module, "down_proj"):
+        return None
+    if _is_3d(module, "gate_up_proj"):
+        return ("gate_up_proj", "down_proj")
+    if _is_3d(module, "up_proj") and getattr(module, "gate_proj", None) is None:
+        return ("up_proj", "down_proj")
+    return None
+
+
+def fused_expert_containers(model: nn.Module) -> dict[str, FusedExperts]:
+    """Every fused expert container of ``model`` in the standard layout, by module name."""
+    found = {}
+    for name, module in model.named_modules():
+        projections = _standard_layout(module)
+        if projections is not None and name.endswith("experts"):
+            found[name] = FusedExperts(name, int(module.num_experts), projections)
+    return found
+
+
+def unsupported_fused_experts(model: nn.Module) -> dict[str, str]:
+    """Expert containers holding 3-D fused weights in a layout :func:`fused_expert_containers` does not take:
+    module name -> a description of its weights (for the refusal)."""
+    supported = fused_expert_containers(model)
+    out = {}
+    for name, module in model.named_modules():
+        if name in supported or "Expert" not in type(module).__name__:
+            continue
+        fused = [(n, list(p.shape)) for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
+        if fused:
+            out[name] = f"{type(module).__name__}: " + ", ".join(f"{n} {shape}" for n, shape in fused)
+    return out
+
+
+def is_fused_projection(name: str) -> bool:
+    """Whether a policy row's name is a fused projection (``<container>.experts.gate_up_proj`` ...)."""
+    return _FUSED_NAME.match(name) is not None
+
+
+def quantizer_glob(module: str, kind: str) -> str:
+    """The modelopt quantizer name(s) of ``module``'s ``kind`` ("weight" or "input") quantizer: a linear layer's
+    one, a fused projection's per-expert weight quantizers (a glob) or its shared input quantizer."""
+    if is_fused_projection(module):
+        return f"{module}_weight_quantizers.*" if kind == "weight" else f"{module}_input_quantizer"
+    return f"{module}.{kind}_quantizer"
+
+
+def quantizer_owner(qname: str) -> tuple[str, str] | None:
+    """``(policy row name, kind)`` of a modelopt quantizer's name, for a linear layer's and a fused projection's
+    quantizers alike; None for other quantizers (the KV cache's ...)."""
+    m = _FUSED_QUANTIZER.match(qname)
+    if m is not None:
+        return f"{m['container']}.{m['proj']}", m["kind"]
+    head, _, leaf = qname.rpartition(".")
+    if leaf in ("weight_quantizer", "input_quantizer"):
+        return head, leaf.split("_")[0]
+    return None
+
+
+def fused_expert_reference(modules: dict[str, nn.Module], name: str, quantized: bool = True) -> torch.Tensor | None:
+    """The trained weight of the exported expert linear ``name`` (``<container>.experts.<i>.gate_proj`` ...) that a
+    fused container holds: expert ``i``'s slice of the fused projection through its weight quantizer (or, with
+    ``quantized=False``, before it), the gate / up half of a gated ``gate_up_proj`` [gate; up]; None where ``name``
+    is not one."""
+    m = _EXPORTED_EXPERT.match(name)
+    container = modules.get(m["container"]) if m is not None else None
+    layout = _standard_layout(container) if container is not None else None
+    if layout is None:
+        return None
+    proj, index = m["proj"], int(m["index"])
+    fused = "down_proj" if proj == "down_proj" else layout[0]
+    if fused == "up_proj" and proj == "gate_proj":
+        return None
+    weight = getattr(container, fused)[index].detach()
+    quantizers = getattr(container, f"{fused}_weight_quantizers", None)
+    if quantizers is None:
+        return None
+    with torch.no_grad():
+        ref = quantizers[index](weight) if quantized else weight
+    if fused == "gate_up_proj":
+        half = ref.shape[0] // 2
+        ref = ref[:half] if proj == "gate_proj" else ref[half:]
+    return ref

@@ -1,0 +1,46 @@
+"""Tiny random mixture-of-experts causal LMs from transformers' own config classes: every family whose experts
+transformers holds fused (transformers 5), built by one shrinking of its config's own fields, so a family a later
+transformers adds is covered by adding its name (and, where its config needs them, its own fields)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import transformers
+
+# the fields a config has are set (by name) to a 2-layer model with 4 experts, top-2, every layer MoE
+_SHRINK = dict(
+    vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    intermediate_size=64, moe_intermediate_size=32, num_experts=4, num_local_experts=4, n_routed_experts=4,
+    num_experts_per_tok=2, n_shared_experts=1, shared_expert_intermediate_size=32, first_k_dense_replace=0,
+    max_position_embeddings=128, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+    v_head_dim=16, n_group=1, topk_group=1, decoder_sparse_step=1, mlp_only_layers=[], moe_layer_freq=1,
+    tie_word_embeddings=False,
+)  # fmt: skip
+# families whose experts are fused in transformers 5's standard layout ([experts, out, in] gate_up_proj and
+# down_proj), with the fields of their own a tiny model needs
+FUSED_MOE: dict[str, dict] = {
+    "Qwen3Moe": {}, "Qwen2Moe": {}, "Mixtral": {}, "Olmoe": {}, "Phimoe": {}, "MiniMax": {}, "MiniMaxM2": {},
+    "DeepseekV2": {}, "Dots1": {}, "Glm4Moe": {}, "Glm4MoeLite": {}, "Ernie4_5_Moe": {}, "ExaoneMoe": {},
+    "Cohere2Moe": {}, "HunYuanMoEV1": {}, "GraniteMoe": {}, "GraniteMoeShared": {}, "SolarOpen": {},
+    "Mistral4": {}, "Afmoe": {}, "HYV3": {}, "Laguna": {}, "MiMoV2Flash": {}, "Mellum": {},
+}  # fmt: skip
+# fused experts in another layout, with modelopt wrappers of their own: refused by name at prepare
+OTHER_LAYOUT_MOE: dict[str, dict] = {"GptOss": {}, "JetMoe": {}}
+
+
+def build(family: str, table: dict[str, dict] = FUSED_MOE) -> torch.nn.Module:
+    """A tiny random ``<family>ForCausalLM`` (its config names its architecture, as a hub checkpoint's does)."""
+    config_class = getattr(transformers, f"{family}Config", None)
+    if config_class is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {family}")
+    fields = config_class().to_dict()
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = config_class(**{k: v for k, v in _SHRINK.items() if k in fields}, **table[family])
+        model = getattr(transformers, f"{family}ForCausalLM")(config)
+    model.config.architectures = [type(model).__name__]
+    return model

@@ -1,0 +1,143 @@
+"""transformers 5's fused experts (one 3-D weight per projection for all of a layer's experts) through the chain, for
+every MoE family transformers ships in that layout: QAD under Lightning, every expert calibrated (one never
+routed to included), a precision switch, a resume bit for bit, the monitor's per-expert token counts, and the
+unified HF export in the hub's layout validated code for code against the trained experts."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import transformers
+from tiny_moe import FUSED_MOE, OTHER_LAYOUT_MOE, build
+
+from nemo_fp4qat import FP4QATCallback, QATController
+from nemo_fp4qat.export import ExportConfig, export_checkpoint
+from nemo_fp4qat.monitor.experts import ExpertLoad
+from nemo_fp4qat.qat.fused_experts import fused_expert_containers
+from nemo_fp4qat.specs import ConfigError
+
+from tiny_models import LitLM, loader
+
+pytestmark = [
+    # modelopt 0.47's fused-expert wrappers (the core environment); transformers 4 holds experts as linears
+    pytest.mark.core_only,
+    pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5, reason="fused experts: transformers 5"),
+]
+
+
+def _batches(n: int = 4, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 96, (2, 16), generator=g) for _ in range(n)]
+
+
+def _forward(model, batch):
+    return model(batch)
+
+
+@pytest.mark.parametrize("family", sorted(FUSED_MOE))
+def test_a_fused_expert_moe_trains_with_qad_and_exports_validated(family, tmp_path):
+    model = build(family)
+    assert fused_expert_containers(model), f"{family}: no fused experts found"
+    qat = FP4QATCallback(policy="default", schedule="direct", calibration=8, distillation="qad",
+                         module_getter=lambda lit: lit.net)  # fmt: skip
+    lit = LitLM(model)
+    trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[qat])  # fmt: skip
+    trainer.fit(lit, loader(n=8, batch_size=4, seq_len=16))
+    assert qat.distiller is not None and qat.distiller.last
+    rows = {r.module: r for r in qat.controller.table.rows}
+    fused = [n for c in fused_expert_containers(model).values() for n in c.projection_names()]
+    assert all(rows[n].group == "experts" and rows[n].weight == "nvfp4" for n in fused)
+    out = export_checkpoint(model, tmp_path / "export", ExportConfig(kind="hf", runtime="vllm"))
+    report = json.loads((out / "validation.json").read_text())
+    assert report["ok"], report
+    numeric = report["numeric"]
+    # every quantized layer of the export (each expert's gate / up / down among them) compared with what trained
+    assert "layers_without_counterpart" not in numeric and numeric["fp4_codes_different"] == 0
+    experts = [m for m, a in report["layers"].items() if ".experts." in m and a is not None]
+    container = next(iter(fused_expert_containers(model).values()))
+    assert len(experts) == len(fused_expert_containers(model)) * container.num_experts * (3 if container.gated else 2)
+
+
+def test_every_expert_is_calibrated_even_one_no_token_reaches():
+    """An expert the router never picks gets its weight amax from its own weights, and a projection's experts share
+    one input amax (the engines' fused MoE kernels take one input scale)."""
+    model = build("Qwen3Moe")
+    router = model.model.layers[0].mlp.gate
+
+    def never_expert_3(module, args, output):
+        logits, scores, indices = output
+        return logits, scores, torch.where(indices == 3, (indices + 1) % 3, indices)
+
+    handle = router.register_forward_hook(never_expert_3)
+    ctl = QATController(policy="default", schedule="direct", forward_fn=_forward)
+    ctl.prepare(model)
+    ctl.calibrate(model, _batches())
+    handle.remove()
+    experts = model.model.layers[0].mlp.experts
+    for proj in ("gate_up_proj", "down_proj"):
+        quantizers = getattr(experts, f"{proj}_weight_quantizers")
+        assert len(quantizers) == 4
+        for i, q in enumerate(quantizers):
+            assert q.amax is not None and torch.equal(q.amax.float(), getattr(experts, proj)[i].abs().amax().float())
+        assert getattr(experts, f"{proj}_input_quantizer").amax is not None
+
+
+def test_a_precision_switch_moves_every_expert_and_a_resume_restores_them_bit_for_bit():
+    schedule = {"stages": [{"start": 0, "format": "fp8"}, {"start": 2, "format": "nvfp4"}], "ramp_steps": 1}
+    model = build("Qwen3Moe")
+    ctl = QATController(policy="aggressive_mlp", schedule=schedule, forward_fn=_forward)
+    ctl.prepare(model)
+    ctl.calibrate(model, _batches())
+    experts = model.model.layers[0].mlp.experts
+    assert experts.down_proj_weight_quantizers[3].num_bits == (4, 3)  # FP8
+    events = [e for s in range(3) for e in ctl.step(model, s)]
+    assert events == [{"step": 2, "group": "experts", "from": "fp8", "to": "nvfp4", "modules": 4}]
+    assert all(q.num_bits == (2, 1) for q in experts.down_proj_weight_quantizers)  # every expert's: NVFP4
+    assert experts.gate_up_proj_input_quantizer.num_bits == (2, 1)
+    ramped = {q for q in ctl.ramps if ".experts." in q}
+    assert len(ramped) == 2 * (4 + 4 + 2)  # each expert's weight quantizers and the shared input ones, 2 layers
+    state, weights = ctl.state_dict(), model.state_dict()
+
+    resumed = build("Qwen3Moe")
+    ctl2 = QATController(policy="aggressive_mlp", schedule=schedule, forward_fn=_forward)
+    ctl2.prepare(resumed)
+    ctl2.sync_to_checkpoint(resumed, copy.deepcopy(state), weights)
+    resumed.load_state_dict(weights, strict=True)
+    assert ctl2.current == ctl.current and set(ctl2._hooks) == set(ctl.ramps)
+    batch = _batches(seed=3)[0]
+    with torch.no_grad():
+        assert torch.equal(resumed(batch).logits, model(batch).logits)
+
+
+def test_the_monitor_counts_every_routed_token_per_expert():
+    model = build("Qwen3Moe")
+    load = ExpertLoad()
+    assert load.attach(model) == 2  # the two layers' routers
+    batch = _batches(1)[0]
+    with torch.no_grad():
+        model(batch)
+    counts = load.snapshot()
+    assert set(counts) == {"model.layers.0.mlp.gate", "model.layers.1.mlp.gate"}
+    top_k = model.config.num_experts_per_tok
+    assert all(len(c) == 4 and sum(c) == batch.numel() * top_k for c in counts.values())
+
+
+@pytest.mark.parametrize("family", sorted(OTHER_LAYOUT_MOE))
+def test_fused_experts_of_another_layout_are_refused_by_name(family):
+    model = build(family, OTHER_LAYOUT_MOE)
+    with pytest.raises(ConfigError, match=r"holds its experts fused in a layout this plugin does not quantize"):
+        QATController(policy="default").prepare(model)
+
+
+@pytest.mark.parametrize(
+    "lever", [dict(calibration={"gptq": {}}), dict(calibration={"block_scale_search": True}),
+              dict(learned_scales={"mode": "post"})],
+)  # fmt: skip
+def test_a_weight_scale_lever_with_fused_experts_is_refused_by_name(lever):
+    with pytest.raises(ConfigError, match=r"with fused experts \(model\.layers\.0\.mlp\.experts\.gate_up_proj"):
+        QATController(policy="default", **lever).prepare(build("Qwen3Moe"))
