@@ -29,6 +29,7 @@ __all__ = [
     "fused_aliases",
     "is_fused_alias",
     "layer_entry",
+    "repaired_names",
     "unquantized_linears",
 ]
 
@@ -74,6 +75,24 @@ def is_fused_alias(name: str, quantized: dict[str, Any]) -> bool:
     return shards is not None and all(f"{prefix}.{s}" in quantized for s in shards)
 
 
+# modelopt 0.47 writes the exclude_modules of a model that transformers 5 saves under another prefix (NemotronH:
+# ``model.`` in memory, ``backbone.`` on the hub) with its internal name-mapping sentinel left in
+# (``lm_head.\x00backbone.pt_name_sentinel``, ``backbone.layers.0.\x00backbone.pt_name_sentinel*``): names no engine
+# matches, so the modules they mean would be loaded as quantized
+_NAME_SENTINEL = re.compile(r"\x00[^*]*")
+
+
+def repaired_names(names: list[str]) -> list[str]:
+    """Module names and globs with modelopt's name-mapping sentinel removed (``lm_head``, ``backbone.layers.0.*``)."""
+    out = []
+    for name in names:
+        if "\x00" in name:
+            name = _NAME_SENTINEL.sub("", name)
+            name = name[:-1] if name.endswith(".") else name
+        out.append(name)
+    return out
+
+
 def layer_entry(name: str, quantized: dict[str, Any]) -> Any:
     """The ``quantized_layers`` entry that gives module ``name`` its format: its own, or for an expert linear
     (``<prefix>.experts.<i>.gate_proj``) its expert container's: modelopt lists a fused expert container once under
@@ -111,7 +130,9 @@ def declare_for_engines(out: str | Path) -> None:
     hq = json.loads(hq_path.read_text())
     q = hq.setdefault("quantization", {})
     hq.setdefault("quant_method", "modelopt")
-    excluded = list(q.get("exclude_modules") or [])
+    excluded = repaired_names(q.get("exclude_modules") or [])
+    if excluded:
+        q["exclude_modules"] = excluded
     aliases: dict[str, Any] = {}
     if q.get("quant_algo") == "MIXED_PRECISION":
         excluded = sorted(set(excluded) | set(unquantized_linears(out, q.get("quantized_layers") or {})))
@@ -124,7 +145,7 @@ def declare_for_engines(out: str | Path) -> None:
     config = json.loads(cfg_path.read_text())
     qc = config.get("quantization_config")
     if isinstance(qc, dict):
-        qc["ignore"] = sorted(set(qc.get("ignore") or []) | set(excluded))
+        qc["ignore"] = sorted(set(repaired_names(qc.get("ignore") or [])) | set(excluded))
         qc.setdefault("kv_cache_quant_algo", q.get("kv_cache_quant_algo"))
         if q.get("quant_algo") == "MIXED_PRECISION":  # modelopt < 0.4x writes the table in hf_quant_config only
             qc.setdefault("quant_algo", "MIXED_PRECISION")
@@ -145,6 +166,10 @@ def engine_field_problems(out: str | Path) -> list[tuple[str, str]]:
     if hq.get("quant_method") != "modelopt":
         problems.append(("hf_quant_config.json", "no quant_method 'modelopt'"))
     excluded = set(q.get("exclude_modules") or [])
+    broken = [n for n in excluded if "\x00" in n]
+    if broken:
+        problems.append(("hf_quant_config.json", f"exclude_modules holds names no engine matches ({broken[:2]!r}: "
+                         "modelopt's name-mapping sentinel)"))  # fmt: skip
     if q.get("quant_algo") == "MIXED_PRECISION":
         missing = [m for m in unquantized_linears(out, q.get("quantized_layers") or {}) if m not in excluded]
         if missing:

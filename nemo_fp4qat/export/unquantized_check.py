@@ -9,6 +9,7 @@ matched.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -91,6 +92,7 @@ def compare_unquantized(
     model: nn.Module,
     kind: str,
     config: dict[str, Any],
+    model_name: Callable[[str], str] | None = None,
 ) -> None:
     """Check every unquantized float tensor of the export that maps to a model tensor (see the module docstring).
 
@@ -101,6 +103,7 @@ def compare_unquantized(
         model: the trained model.
         kind: ``"hf"`` or ``"trtllm"``.
         config: the checkpoint's ``config.json`` (the dtype it declares), or empty.
+        model_name: an exported module name -> the model's (:func:`~.hub_names.model_name_resolver`).
     """
     state = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     # the exporter folds the smoothing scales it re-derives (AWQ, SmoothQuant siblings) into the norms before them
@@ -116,6 +119,8 @@ def compare_unquantized(
         if declared is not None and str(t.dtype).replace("torch.", "") != declared:
             rep.error(name, f"stored as {t.dtype} but config.json declares dtype {declared!r}.")
         ref = _source(name, kind, state)
+        if ref is None and model_name is not None:
+            ref = state.get(f"{model_name(mod)}.{attr}")
         if ref is None or ref.dim() != t.dim() or ref.shape[1:] != t.shape[1:] or ref.shape[0] > t.shape[0]:
             continue
         num["unquantized_compared"] = num.get("unquantized_compared", 0) + 1

@@ -168,7 +168,7 @@ def validate_export(
 
     if model is not None:
         quantized = {m for m, a in rep.layers.items() if a is not None}
-        compare_unquantized(rep, tensors, quantized, model, kind, config)
+        compare_unquantized(rep, tensors, quantized, model, kind, config, model_name)
 
     expert_containers = {layer for layer, _ in expert_projections(mods)}
     for mod in mixed:

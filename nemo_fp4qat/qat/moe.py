@@ -44,7 +44,7 @@ __all__ = [
 # Routers (and Qwen2-MoE's shared-expert gate): the token-to-expert decision, kept in 16 bits by every policy.
 ROUTER_PATTERNS: tuple[str, ...] = (
     "*mlp.router", "*mlp.gate", "*block_sparse_moe.gate", "*shared_expert_gate", "*feed_forward.router",
-    "*mlp.router.gate",
+    "*mlp.router.gate", "*mixer.gate",
 )  # fmt: skip
 # Routed experts, one module per expert (HF ``experts.N.*``, megatron-core ``experts.local_experts.N.*``).
 EXPERT_PATTERNS: tuple[str, ...] = ("*.experts.*",)

@@ -28,11 +28,11 @@ HYBRIDS: dict[str, dict] = {
                       linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, head_dim=16),
     "GraniteMoeHybrid": dict(layer_types=["mamba", "attention"] * 2, num_local_experts=4, num_experts_per_tok=2,
                              shared_intermediate_size=64, **_MAMBA2),
-    "NemotronH": dict(hybrid_override_pattern="M*M*", mamba_num_heads=4, mamba_head_dim=32, n_groups=1,
-                      ssm_state_size=8, chunk_size=16, head_dim=16),
+    # Nemotron 3's shape: Mamba, MoE (fused non-gated experts, a shared expert), attention, MoE
+    "NemotronH": dict(hybrid_override_pattern="ME*E", mamba_num_heads=4, mamba_head_dim=32, n_groups=1,
+                      ssm_state_size=8, chunk_size=16, head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, moe_shared_expert_intermediate_size=32, n_shared_experts=1),
 }  # fmt: skip
-# whose experts transformers holds fused (one 3-D weight per projection): refused by name until they are supported
-FUSED_EXPERTS = {"GraniteMoeHybrid"}
 
 
 def build(family: str) -> torch.nn.Module:

@@ -70,3 +70,33 @@ def test_qad_of_a_model_left_in_eval_mode_says_so():
     from nemo_fp4qat.numerics.weight_reuse import weight_reuse_active
 
     assert not weight_reuse_active()
+
+
+@pytest.mark.core_only  # NemotronH and its fused experts: transformers 5 and modelopt 0.47 (the core environment)
+def test_nemotron_h_under_the_nano_preset_exports_nvidias_published_recipe(tmp_path):
+    """NVIDIA's Nemotron 3 Nano NVFP4 recipe on a tiny NemotronH (Mamba, MoE, attention, MoE), read back from the
+    export in the hub's layout (``backbone.``): attention, the Mamba layer feeding it (conv1d included), the routers
+    and lm_head 16-bit; the routed and shared experts NVFP4; an FP8 KV cache."""
+    model = build("NemotronH")
+    model.config.architectures = [type(model).__name__]
+    qat = FP4QATCallback(policy="nemotron3_nano", schedule="direct", calibration=8, distillation="qad",
+                         module_getter=lambda lit: lit.net)  # fmt: skip
+    trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[qat])  # fmt: skip
+    trainer.fit(LitLM(model), loader(n=8, batch_size=4, seq_len=16))
+    out = export_checkpoint(model, tmp_path / "export", ExportConfig(kind="hf", runtime="vllm"))
+    report = json.loads((out / "validation.json").read_text())
+    assert report["ok"], report
+    assert report["numeric"]["fp4_codes_compared"] > 0 and "layers_without_counterpart" not in report["numeric"]
+    declared = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
+    assert declared["kv_cache_quant_algo"] == "FP8" and not any("\x00" in g for g in declared["exclude_modules"])
+    layers = report["layers"]  # exported module -> its format, as the validator read the checkpoint's declarations
+    sixteen_bit = [m for m, a in layers.items() if a is None]
+    for kept in ("backbone.layers.0.mixer.in_proj", "backbone.layers.0.mixer.out_proj",  # feeds attention layer 2
+                 "backbone.layers.2.mixer.q_proj", "backbone.layers.2.mixer.o_proj", "lm_head"):  # fmt: skip
+        assert kept in sixteen_bit, kept
+    experts = [m for m in layers if ".mixer.experts." in m or ".mixer.shared_experts." in m]
+    assert len(experts) == 2 * (4 * 2 + 2) and all(layers[m] == "NVFP4" for m in experts)
+    assert not [m for m in layers if m.endswith(("conv1d", "mixer.gate")) and layers[m] is not None]
+    rows = {r.module: r for r in qat.controller.table.rows}
+    assert rows["model.layers.0.mixer.conv1d"].weight == "bf16" and rows["model.layers.1.mixer.gate"].group == "router"

@@ -11,9 +11,10 @@ import fnmatch
 
 import pytest
 import torch
-from tiny_hybrids import FUSED_EXPERTS, HYBRIDS, build
+from tiny_hybrids import HYBRIDS, build
 
 from nemo_fp4qat import LayerPolicy, QATController
+from nemo_fp4qat.qat.fused_experts import unsupported_fused_experts
 from nemo_fp4qat.qat.policy import LINEAR_ATTENTION, POLICY_PRESETS, SSM_MIXER
 from nemo_fp4qat.specs import ConfigError
 
@@ -30,7 +31,7 @@ def _mixers(model: torch.nn.Module) -> list[str]:
 def test_every_preset_files_a_hybrids_mixers_on_purpose_and_keeps_conv1d_16_bit(family, preset):
     model = build(family)
     policy = LayerPolicy.preset(preset)
-    if family in FUSED_EXPERTS:
+    if unsupported_fused_experts(model):  # transformers 4's GraniteMoeHybrid: experts in one 3-D weight of its own
         with pytest.raises(ConfigError, match="holds its experts fused"):
             policy.resolve(model)
         return
@@ -51,7 +52,7 @@ def test_every_preset_files_a_hybrids_mixers_on_purpose_and_keeps_conv1d_16_bit(
 @pytest.mark.core_only
 @pytest.mark.parametrize(("family", "feeding"), [("Jamba", {0: 1, 2: 3}), ("Bamba", {0: 1, 2: 3}),
                                                 ("Qwen3Next", {0: 1, 2: 3}), ("FalconH1", {0: 1, 1: 2, 2: 3}),
-                                                ("NemotronH", {0: 1, 2: 3})])  # fmt: skip
+                                                ("NemotronH", {0: 2})])  # fmt: skip
 def test_the_nano_preset_keeps_the_mixer_feeding_each_attention_layer_in_16_bits(family, feeding):
     """Nemotron 3 Nano's recipe: the mixer nearest before each attention layer, and attention, in 16 bits (the
     table says which attention layer it feeds); the other mixers, experts and MLPs in NVFP4."""
