@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..transformers_compat import rope_fields
+
 __all__ = ["upcycle_llama_to_mixtral"]
 
 
@@ -55,9 +57,10 @@ def upcycle_llama_to_mixtral(
         num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_key_value_heads, head_dim=getattr(cfg, "head_dim", None),
         hidden_act=cfg.hidden_act, max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
-        rope_theta=getattr(cfg, "rope_theta", 10000.0), tie_word_embeddings=cfg.tie_word_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings,
         bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, num_local_experts=num_experts,
         num_experts_per_tok=top_k, sliding_window=None, router_aux_loss_coef=0.0, output_router_logits=False,
+        **rope_fields(getattr(cfg, "rope_theta", 10000.0), cfg),
     )  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
     dtype = next(dense.parameters()).dtype
@@ -68,13 +71,22 @@ def upcycle_llama_to_mixtral(
     std = float(getattr(cfg, "initializer_range", 0.02))
     with torch.no_grad():
         for layer, dense_layer in zip(moe.model.layers, dense.model.layers, strict=True):
-            block, mlp = layer.block_sparse_moe, dense_layer.mlp
+            # transformers 4: block_sparse_moe with per-expert w1 / w3 / w2 linears; 5: mlp with fused experts
+            block, mlp = getattr(layer, "block_sparse_moe", None) or layer.mlp, dense_layer.mlp
             block.gate.weight.copy_(std * torch.randn(block.gate.weight.shape, generator=gen).to(dtype))
-            for expert in block.experts:
-                for dst, src in ((expert.w1, mlp.gate_proj), (expert.w3, mlp.up_proj), (expert.w2, mlp.down_proj)):
-                    jitter = 1.0 + noise * torch.randn(src.weight.shape, generator=gen) if noise else 1.0
-                    dst.weight.copy_((src.weight.float() * jitter).to(dtype))
-    left = {k for k in missing if ".block_sparse_moe." not in k and k != "lm_head.weight"}
+            for e in range(num_experts):
+                gate, up, down = (
+                    (src.weight.float() * (1.0 + noise * torch.randn(src.weight.shape, generator=gen))).to(dtype)
+                    if noise else src.weight.to(dtype)
+                    for src in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+                )  # fmt: skip
+                if isinstance(block.experts, nn.ModuleList):
+                    expert = block.experts[e]
+                    expert.w1.weight.copy_(gate), expert.w3.weight.copy_(up), expert.w2.weight.copy_(down)
+                else:  # [gate; up] rows of gate_up_proj[e], as the fused experts split them
+                    block.experts.gate_up_proj[e].copy_(torch.cat([gate, up], 0))
+                    block.experts.down_proj[e].copy_(down)
+    left = {k for k in missing if ".block_sparse_moe." not in k and ".mlp." not in k and k != "lm_head.weight"}
     if left:
         raise RuntimeError(f"upcycling left these weights at their initialisation: {sorted(left)[:4]}")
     if moe_cfg.tie_word_embeddings:

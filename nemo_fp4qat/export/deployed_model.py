@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from ..numerics.fake_quant import fake_quant_fp8, fake_quant_nvfp4
+from ..transformers_compat import rope_fields
 from .reader import head_counts, load_export, merge_ranks
 from .unpack import dequantize_linear
 
@@ -84,8 +85,9 @@ def _hf_config_from_trtllm(cfg: dict[str, Any]) -> Any:
         num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=cfg["num_attention_heads"],
         num_key_value_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
         head_dim=cfg.get("head_size"), rms_norm_eps=cfg.get("norm_epsilon", 1e-6),
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048), rope_theta=cfg.get("rotary_base", 10000.0),
-        hidden_act=cfg.get("hidden_act", "silu"), tie_word_embeddings=bool(cfg.get("share_embedding_table", False)),
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        **rope_fields(cfg.get("rotary_base", 10000.0)), hidden_act=cfg.get("hidden_act", "silu"),
+        tie_word_embeddings=bool(cfg.get("share_embedding_table", False)),
         attention_bias=bool(cfg.get("bias", False)),
     )  # fmt: skip
 

@@ -295,6 +295,30 @@ def _copyable_config(model: nn.Module) -> Iterator[None]:
         model.config = config
 
 
+@contextlib.contextmanager
+def _rope_fields_modelopt_reads(model: nn.Module) -> Iterator[None]:
+    """modelopt's TensorRT-LLM export reads the rotary base from ``config.rope_theta`` (and llama3 scaling from
+    ``rope_scaling``); a transformers 5 config holds them in ``rope_parameters`` only, and without them the checkpoint
+    omits ``rotary_base`` and TensorRT-LLM runs its default base (10000): another model than trained. For the export
+    the config also carries them under the names modelopt reads."""
+    config = getattr(model, "config", None)
+    rope = getattr(config, "rope_parameters", None) if _is_hf_model(model) else None
+    added = []
+    if isinstance(rope, dict) and "rope_theta" in rope:
+        fields = {"rope_theta": rope["rope_theta"]}
+        if rope.get("rope_type", "default") != "default":
+            fields["rope_scaling"] = dict(rope)
+        for key, value in fields.items():
+            if getattr(config, key, None) is None:
+                setattr(config, key, value)
+                added.append(key)
+    try:
+        yield
+    finally:
+        for key in added:
+            delattr(config, key)
+
+
 def _export_trtllm(model: nn.Module, out: Path, cfg: ExportConfig) -> None:
     from modelopt.torch.export import export_tensorrt_llm_checkpoint
 
@@ -307,7 +331,7 @@ def _export_trtllm(model: nn.Module, out: Path, cfg: ExportConfig) -> None:
             "supports for decoder types such as 'llama' or 'gpt2' but not 'gpt'. Train with "
             "share_embeddings_and_output_weights=False, or pass decoder_type for a decoder that shares them."
         )
-    with modelopt_export_on_cpu(), torch.inference_mode(), _copyable_config(model):
+    with modelopt_export_on_cpu(), torch.inference_mode(), _copyable_config(model), _rope_fields_modelopt_reads(model):
         export_tensorrt_llm_checkpoint(
             model,
             decoder_type=decoder,

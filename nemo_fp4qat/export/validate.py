@@ -20,6 +20,7 @@ Checks, for unified HF and TensorRT-LLM (qnemo) checkpoints alike:
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
 from pathlib import Path
 
@@ -200,6 +201,9 @@ def validate_export(
                       "with another quantization than trained. Train with this plugin (it ties them after every "
                       "calibration) or recalibrate.")  # fmt: skip
 
+    if model is not None and kind == "trtllm":
+        _check_rotary_base(rep, model, config)
+
     if kv is not None:
         kv_scales = [k for k in tensors if k.endswith(("k_scale", "v_scale", "kv_cache_scaling_factor"))]
         if not kv_scales:
@@ -212,3 +216,16 @@ def validate_export(
     if model is not None and not rep.numeric.get("layers_compared"):
         rep.warnings.append(Problem(str(path), "no exported layer matched a model layer: numeric check skipped."))
     return rep
+
+
+def _check_rotary_base(rep: ValidationReport, model: nn.Module, config: dict) -> None:
+    """A TensorRT-LLM checkpoint runs the rotary base its ``config.json`` names (10000 where it names none): the
+    trained model's, or another model."""
+    hf = getattr(model, "config", None)
+    rope = getattr(hf, "rope_parameters", None)
+    theta = getattr(hf, "rope_theta", None) or (rope.get("rope_theta") if isinstance(rope, dict) else None)
+    written = config.get("rotary_base", 10000.0)
+    if theta is not None and not math.isclose(float(written), float(theta)):
+        rep.error("config.json", f"rotary_base {written:g}{'' if 'rotary_base' in config else ' (not written)'} but "
+                  f"the model was trained with rope_theta {theta:g}: TensorRT-LLM would run another model. "
+                  "Re-export with this plugin's exporter (it gives modelopt the base).")  # fmt: skip

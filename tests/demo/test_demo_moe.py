@@ -16,6 +16,14 @@ import torch
 pytestmark = pytest.mark.core_only
 
 
+def _expert_weights(layer) -> list[torch.Tensor]:
+    """Each expert's first weight: transformers 4's per-expert ``w1``, 5's slice of the fused ``gate_up_proj``."""
+    block = getattr(layer, "block_sparse_moe", None) or layer.mlp
+    if isinstance(block.experts, torch.nn.ModuleList):
+        return [e.w1.weight for e in block.experts]
+    return list(block.experts.gate_up_proj)
+
+
 def test_an_upcycled_smollm2_computes_what_the_dense_model_computes():
     from nemo_fp4qat.demo.model import load_smollm2
     from nemo_fp4qat.demo.upcycle import upcycle_llama_to_mixtral
@@ -27,9 +35,9 @@ def test_an_upcycled_smollm2_computes_what_the_dense_model_computes():
         want, got = dense(ids).logits, moe(ids).logits
     # identical experts, top-2 weights renormalized to one: the dense MLP, up to float32 summation order
     torch.testing.assert_close(got, want, rtol=0, atol=5e-4)
-    assert type(moe).__name__ == "MixtralForCausalLM" and len(moe.model.layers[0].block_sparse_moe.experts) == 4
+    assert type(moe).__name__ == "MixtralForCausalLM" and len(_expert_weights(moe.model.layers[0])) == 4
     noisy = upcycle_llama_to_mixtral(dense, num_experts=4, top_k=2, noise=0.01)
-    w = [e.w1.weight for e in noisy.model.layers[3].block_sparse_moe.experts]
+    w = _expert_weights(noisy.model.layers[3])
     assert not torch.equal(w[0], w[1])  # the experts differ, so the router's choice matters
     with pytest.raises(ValueError, match=r"top_k=5 must lie in \[1, num_experts=4\]"):
         upcycle_llama_to_mixtral(dense, num_experts=4, top_k=5)

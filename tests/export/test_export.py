@@ -820,3 +820,19 @@ def test_a_bfloat16_model_validates_code_for_code_and_a_flipped_code_is_still_ca
 
     errs = _errors(validate_export(_corrupt(out, tmp_path / "bad", flip), model=model))
     assert "FP4 codes differ" in errs[name]
+
+
+def test_a_trtllm_checkpoint_with_another_rotary_base_than_trained_is_named(tmp_path):
+    """TensorRT-LLM runs the rotary base the checkpoint's config.json names (its default where none): a base other
+    than the model's rope_theta serves another model."""
+    model = calibrated_tiny_llama("nvfp4", seed=3)
+    out = export_checkpoint(model, tmp_path / "ckpt", ExportConfig(kind="trtllm"))
+    config = json.loads((out / "config.json").read_text())
+    rope = getattr(model.config, "rope_parameters", None) or {"rope_theta": model.config.rope_theta}
+    assert config["rotary_base"] == rope["rope_theta"]
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    (bad / "config.json").write_text(json.dumps({**config, "rotary_base": 500000.0}))
+    report = validate_export(bad, model=model)
+    errors = [p.message for p in report.errors if p.tensor == "config.json"]
+    assert any("rotary_base 500000 but the model was trained with rope_theta 10000" in e for e in errors), errors
