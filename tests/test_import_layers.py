@@ -16,6 +16,7 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "nemo_fp4qat"
 LAYERS = {
     "specs": 0,
+    "transformers_compat": 0,
     "numerics": 0,
     "megatron_cpu": 0,
     "qat": 1,

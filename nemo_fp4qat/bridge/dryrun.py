@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import os
+import re
 from typing import Any
 
 import torch
@@ -18,7 +20,7 @@ import torch
 from ..megatron_cpu import patched
 from ..qat.policy import LayerPolicy, PolicyTable
 
-__all__ = ["describe_run", "launch", "plan_substitutions", "policy_plan"]
+__all__ = ["describe_run", "experts_as_one_row", "is_hybrid", "launch", "plan_substitutions", "policy_plan"]
 
 _GPU_FUSIONS = (
     "apply_rope_fusion",
@@ -50,12 +52,13 @@ def policy_plan(provider: Any, policy: str | dict | LayerPolicy, num_layers: int
     Args:
         provider: a Megatron-Bridge model provider (``cfg.model`` of a recipe); it is not changed.
         policy: a preset name, a policy dict or YAML path, or a :class:`~nemo_fp4qat.LayerPolicy`.
-        num_layers: how many transformer layers the copy has (every layer is named alike).
+        num_layers: how many transformer layers the copy has (every layer is named alike); a hybrid model is built
+            at its full layer pattern (which Mamba layer feeds an attention layer depends on it).
 
     The copy is built on the meta device at tensor, pipeline and expert size 1 with megatron-core's local layer spec
-    (Transformer Engine's layers, which need a GPU, name their linear layers alike), in a one-process group when
-    torch.distributed is not initialized (call it from a dry run, not inside a training run);
-    :func:`plan_substitutions` says what it builds otherwise than the recipe.
+    (Transformer Engine's layers, which need a GPU, name their linear layers alike; a hybrid model's Mamba layers
+    through :mod:`.hybrid_meta`), in a one-process group when torch.distributed is not initialized (call it from a
+    dry run, not inside a training run); :func:`plan_substitutions` says what it builds otherwise than the recipe.
 
     Raises:
         ConfigError: the provider builds grouped experts (``moe_grouped_gemm=True``) that ``policy`` would quantize.
@@ -70,7 +73,16 @@ def policy_plan(provider: Any, policy: str | dict | LayerPolicy, num_layers: int
 
     _one_process_group()
     small = copy.copy(provider)
-    small.num_layers = num_layers
+    hybrid = is_hybrid(provider)
+    if hybrid:
+        # every layer of the pattern (which layer feeds an attention layer depends on it), on the meta device
+        from .hybrid_meta import local_hybrid_spec
+
+        small.hybrid_stack_spec = local_hybrid_spec()
+        small.vocab_size = small.vocab_size or 128  # set from the tokenizer at run time; the names do not depend on it
+    else:
+        small.num_layers = num_layers
+        small.transformer_layer_spec = local_layer_spec
     small.tensor_model_parallel_size = small.pipeline_model_parallel_size = small.context_parallel_size = 1
     small.virtual_pipeline_model_parallel_size = None
     small.pipeline_model_parallel_layout = None
@@ -78,7 +90,6 @@ def policy_plan(provider: Any, policy: str | dict | LayerPolicy, num_layers: int
     small.sequence_parallel = False
     small.init_model_with_meta_device = True
     small.use_cpu_initialization, small.perform_initialization = True, False  # no GPU, no weights to draw
-    small.transformer_layer_spec = local_layer_spec
     small.transformer_impl = "local"
     for fused in _GPU_FUSIONS:  # fused kernels the recipe turns on for GPUs; module names do not depend on them
         setattr(small, fused, False)
@@ -89,6 +100,8 @@ def policy_plan(provider: Any, policy: str | dict | LayerPolicy, num_layers: int
         small.moe_grouped_gemm = small.moe_permute_fusion = small.moe_router_fusion = False
         small.moe_token_dispatcher_type = "alltoall"
         small.moe_shared_expert_overlap = False
+        if hasattr(small, "moe_flex_dispatcher_backend"):
+            small.moe_flex_dispatcher_backend = None
     small.attention_backend = AttnBackend.local
     small.cuda_graph_impl = "none"
     small.tp_comm_overlap = False
@@ -100,8 +113,18 @@ def policy_plan(provider: Any, policy: str | dict | LayerPolicy, num_layers: int
             from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
             stack.enter_context(patched(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", object()))
+        if hybrid:
+            from .hybrid_meta import mamba_meta_build
+
+            stack.enter_context(mamba_meta_build())
+            stack.enter_context(torch.device("meta"))  # the hybrid provider does not open it itself
         model = small.provide(pre_process=True, post_process=True)
     return policy.resolve(model)
+
+
+def is_hybrid(provider: Any) -> bool:
+    """A hybrid Mamba / attention provider (Nemotron-H, Nemotron 3: ``HybridModelProvider``), by its layer pattern."""
+    return bool(getattr(provider, "hybrid_layer_pattern", None) or getattr(provider, "hybrid_override_pattern", None))
 
 
 def plan_substitutions(provider: Any) -> list[str]:
@@ -114,11 +137,16 @@ def plan_substitutions(provider: Any) -> list[str]:
     if getattr(provider, "num_moe_experts", None) and getattr(provider, "moe_grouped_gemm", False) and impl != "local":
         out.append("moe_grouped_gemm=True (TEGroupedMLP experts, kept in 16 bits by the policy) built as "
                    "SequentialMLP: Transformer Engine needs a GPU; the plan shows each expert's linears")  # fmt: skip
+    if is_hybrid(provider):
+        out.append("Mamba layers built with megatron-core's local hybrid spec and a stand-in of mamba_ssm's gated norm "
+                   "(mamba_ssm and Transformer Engine are CUDA packages): every linear layer takes the recipe's name; "
+                   "the depthwise conv1d is a parameter of the mixer, not a layer, and stays in 16 bits")  # fmt: skip
     sizes = {k: getattr(provider, k, None) or 1 for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                                                           "expert_model_parallel_size")}  # fmt: skip
     if any(v > 1 for v in sizes.values()):
-        out.append("built at tensor, pipeline and expert size 1, two layers, on the meta device (module names do not "
-                   "depend on the parallel shape or the depth)")  # fmt: skip
+        depth = "every layer of its pattern" if is_hybrid(provider) else "two layers"
+        out.append(f"built at tensor, pipeline and expert size 1, {depth}, on the meta device (module names do not "
+                   "depend on the parallel shape)")  # fmt: skip
     return out
 
 
@@ -127,6 +155,8 @@ def describe_run(cfg: Any, qat: Any) -> str:
     expert parallelism for an MoE), where it starts, the training budget, the QAT configuration and every layer's
     format (:func:`policy_plan`). ``cfg``: a Bridge ``ConfigContainer``; ``qat``: its ``FP4QATBridgeCallback``."""
     m = cfg.model
+    layers = (f"every one of its {m.num_layers} layers" if is_hybrid(m)
+              else f"every one of its {m.num_layers} layers as layer 0 and 1")  # fmt: skip
     moe = getattr(m, "num_moe_experts", None)
     experts = f" experts={moe} top_k={m.moe_router_topk}" if moe else ""
     ep = f" EP={m.expert_model_parallel_size}" if moe else ""
@@ -138,9 +168,25 @@ def describe_run(cfg: Any, qat: Any) -> str:
         f"train: {cfg.train.train_iters} iters x {cfg.train.global_batch_size} sequences, lr {cfg.optimizer.lr}",
         f"qat: {qat.config}",
         *(f"planned on this machine: {s}" for s in plan_substitutions(m)),
-        f"policy on the model's modules (every one of its {m.num_layers} layers as layer 0 and 1):",
-        policy_plan(m, qat.config.policy).format_table(),
+        f"policy on the model's modules ({layers}; a layer's experts as one row, local_experts.*):",
+        experts_as_one_row(policy_plan(m, qat.config.policy)).format_table(),
     ])  # fmt: skip
+
+
+_LOCAL_EXPERT = re.compile(r"(\.local_experts\.)\d+(\.)")
+
+
+def experts_as_one_row(table: PolicyTable) -> PolicyTable:
+    """``table`` with each layer's routed experts in one row per projection (``mlp.experts.local_experts.*.
+    linear_fc1``) where they share a format and rule, as the policy requires of them."""
+    rows, seen = [], set()
+    for r in table.rows:
+        name = _LOCAL_EXPERT.sub(r"\1*\2", r.module)
+        key = (name, r.group, r.rule, r.weight, r.input, r.quantizable)
+        if key not in seen:
+            seen.add(key)
+            rows.append(dataclasses.replace(r, module=name))
+    return PolicyTable(rows)
 
 
 def launch(cfg: Any, qat: Any, dryrun: bool = False) -> int:

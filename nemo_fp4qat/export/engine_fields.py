@@ -14,6 +14,7 @@ completes both files from the written tensors; nothing else is changed.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
 from pathlib import Path
@@ -30,6 +31,7 @@ __all__ = [
     "is_fused_alias",
     "layer_entry",
     "repaired_names",
+    "stored_unquantized_linears",
     "unquantized_linears",
 ]
 
@@ -104,6 +106,22 @@ def layer_entry(name: str, quantized: dict[str, Any]) -> Any:
     return entry
 
 
+def stored_unquantized_linears(out: str | Path) -> list[str]:
+    """The modules of the checkpoint in ``out`` whose 2-D weight is stored without a weight scale (16-bit), other
+    than the input embedding."""
+    from safetensors import safe_open
+
+    keys: set[str] = set()
+    for f in sorted(Path(out).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            keys.update(st.keys())
+    return sorted(
+        mod
+        for mod, shape in _weight_shapes(Path(out)).items()
+        if len(shape) == 2 and f"{mod}.weight_scale" not in keys and not _INPUT_EMBEDDING.search(mod)
+    )
+
+
 def unquantized_linears(out: str | Path, quantized: dict[str, Any]) -> list[str]:
     """The modules of the checkpoint in ``out`` with a 2-D weight that ``quantized`` (``quantized_layers``) does not
     name, other than the input embedding: the linear layers kept in 16 bits (``lm_head`` among them)."""
@@ -139,6 +157,13 @@ def declare_for_engines(out: str | Path) -> None:
         q["exclude_modules"] = excluded
         aliases = fused_aliases(q.get("quantized_layers") or {})
         q["quantized_layers"] = {**(q.get("quantized_layers") or {}), **aliases}
+    elif q.get("quant_algo"):
+        # one format for the checkpoint: a linear stored unquantized that no exclude names (a module transformers
+        # saves under another name than the one modelopt excluded) would be loaded in that format
+        unnamed = [m for m in stored_unquantized_linears(out) if not any(fnmatch.fnmatchcase(m, g) for g in excluded)]
+        if unnamed:
+            excluded = sorted(set(excluded) | set(unnamed))
+            q["exclude_modules"] = excluded
     hq_path.write_text(json.dumps(hq, indent=4))
     if not cfg_path.is_file():
         return
@@ -176,6 +201,11 @@ def engine_field_problems(out: str | Path) -> list[tuple[str, str]]:
             more = " ..." if len(missing) > 4 else ""
             problems.append(("hf_quant_config.json", f"exclude_modules does not name the 16-bit linear layers "
                              f"{missing[:4]}{more} (engines would quantize them)"))  # fmt: skip
+    elif q.get("quant_algo"):
+        unnamed = [m for m in stored_unquantized_linears(out) if not any(fnmatch.fnmatchcase(m, g) for g in excluded)]
+        if unnamed:
+            problems.append(("hf_quant_config.json", f"exclude_modules does not name the 16-bit linear layers "
+                             f"{unnamed[:4]} (engines would load them as {q['quant_algo']})"))  # fmt: skip
     layers = q.get("quantized_layers") or {}
     if q.get("quant_algo") == "MIXED_PRECISION":
         lacking = [n for n, e in fused_aliases(layers).items() if layers.get(n) != e]

@@ -135,7 +135,8 @@ def _trained_dtype(model: nn.Module) -> torch.dtype:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
-def _dtype(model: nn.Module, cfg: ExportConfig) -> torch.dtype:
+def export_dtype(model: nn.Module, cfg: ExportConfig) -> torch.dtype:
+    """The dtype ``cfg``'s checkpoint holds ``model``'s unquantized tensors in (see :class:`ExportConfig`)."""
     if cfg.dtype is not None:
         return _DTYPES[cfg.dtype]
     trained = _trained_dtype(model)
@@ -179,7 +180,7 @@ def _export_hf(model: nn.Module, out: Path, cfg: ExportConfig) -> None:
 def _hf_dtypes(model: nn.Module, cfg: ExportConfig) -> tuple[torch.dtype, torch.dtype]:
     """(the dtype modelopt packs from, the dtype the checkpoint declares): a float32 model asked for a 16-bit
     checkpoint is packed from its float32 weights, its unquantized tensors rounded afterwards (engine_dtype.py)."""
-    declared = _dtype(model, cfg)
+    declared = export_dtype(model, cfg)
     if _trained_dtype(model) == torch.float32 and declared != torch.float32:
         return torch.float32, declared
     return declared, declared
@@ -335,7 +336,7 @@ def _export_trtllm(model: nn.Module, out: Path, cfg: ExportConfig) -> None:
         export_tensorrt_llm_checkpoint(
             model,
             decoder_type=decoder,
-            dtype=_dtype(model, cfg),
+            dtype=export_dtype(model, cfg),
             export_dir=str(out),
             inference_tensor_parallel=cfg.tensor_parallel,
         )

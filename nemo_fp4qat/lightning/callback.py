@@ -32,7 +32,7 @@ from ..numerics.weight_reuse import WeightReuse, clear_weight_reuse
 from ..qat.calibration import collect_batches
 from ..qat.config import QATConfig
 from ..qat.controller import QATController
-from ..qat.deploy_precision import DeployPrecision
+from ..qat.deploy_precision import AUTO, DEPLOY_DTYPES, DeployPrecision
 from ..qat.distillation import DistillationConfig, Distiller
 from ..qat.policy import is_quantizable_linear
 from ..qat.scale_levers import learned_scale_parameters
@@ -85,7 +85,9 @@ class FP4QATCallback(pl.Callback):
             ``"scale_only"`` or ``{"mode": ..., "lr": ...}``): the scales join the optimizer as their own
             parameter group after calibration (one process).
         deploy_dtype: ``"float16"`` / ``"bfloat16"``: a float32 model trains its unquantized weights rounded to the
-            dtype its export holds them in (straight-through), so the checkpoint holds what trained; ``None``: off.
+            dtype its export holds them in (straight-through), so the checkpoint holds what trained; ``"auto"``
+            (default): the end-of-fit export's dtype where ``export_dir`` is set and that export holds a float32
+            model's unquantized tensors in 16 bits (the engines' checkpoints), else off; ``None``: off.
 
     Raises:
         ConfigError: a bad or unknown field (a :class:`QATConfig` is built here, before any training), or an export
@@ -128,7 +130,7 @@ class FP4QATCallback(pl.Callback):
             deploy_dtype=deploy_dtype,
         )
         self.controller = QATController.from_config(self.config, forward_fn=forward_fn)
-        self.deploy_precision = DeployPrecision(deploy_dtype) if deploy_dtype is not None else None
+        self.deploy_precision = DeployPrecision(deploy_dtype) if deploy_dtype not in (None, AUTO) else None
         self.export_dir = export_dir
         self._train_ended = False  # on_train_end ran in this fit (see on_fit_end)
         self.export = self._check_export(export)
@@ -304,12 +306,28 @@ class FP4QATCallback(pl.Callback):
         self._on_train_start(trainer, pl_module)
         self.weight_reuse.start()
 
+    def _deploy_precision_of_export(self, module: nn.Module) -> DeployPrecision | None:
+        """``deploy_dtype="auto"``: the end-of-fit export's 16-bit dtype for a float32 model's unquantized
+        tensors (an engine's checkpoint), else None."""
+        if self.config.deploy_dtype != AUTO or not self.export_dir or not hasattr(module, "save_pretrained"):
+            return None  # megatron-core modules train in bfloat16 on GPUs and are not hooked (deploy_precision)
+        from ..export.exporters import export_dtype
+
+        trained = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+        cfg = self.export or self._check_export({"kind": _default_export_kind(module)})
+        target = str(export_dtype(module, cfg)).replace("torch.", "")
+        return DeployPrecision(target) if trained == torch.float32 and target in DEPLOY_DTYPES else None
+
     def _on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         ctl = self.controller
+        if self.deploy_precision is None:
+            self.deploy_precision = self._deploy_precision_of_export(self.target_module(pl_module))
         if self.deploy_precision is not None and not self.deploy_precision.handles:
             # before calibration: the scales are those of the weights the checkpoint will hold
             n = self.deploy_precision.install(self.target_module(pl_module))
-            rank_zero_info(f"nemo_fp4qat: {n} modules train their unquantized weights in {self.config.deploy_dtype}")
+            rank_zero_info(f"nemo_fp4qat: {n} modules train their unquantized weights in "
+                           f"{str(self.deploy_precision.dtype).replace('torch.', '')} "
+                           "(the export's dtype for them)")  # fmt: skip
         if ctl.total_steps is None:
             ctl.total_steps = self._total_steps(trainer)
             if ctl.schedule.needs_total_steps:

@@ -16,7 +16,7 @@ from typing import Any
 from ..numerics.cpu_backend import CUDA_NVFP4_KERNELS
 from ..specs import ConfigError
 from .calibration import CalibrationConfig
-from .deploy_precision import DeployPrecision
+from .deploy_precision import AUTO, DeployPrecision
 from .distillation import DistillationConfig
 from .policy import LayerPolicy
 from .scale_levers import LearnedScalesConfig, require_levers, uses_static_weights
@@ -78,8 +78,9 @@ class QATConfig:
             ``direct`` schedule.
         deploy_dtype: ``"float16"`` or ``"bfloat16"``: a float32 run trains its unquantized weights (embeddings,
             norms, 16-bit linears) rounded to the dtype its export writes them in, straight-through, so the
-            checkpoint holds what trained (:mod:`~nemo_fp4qat.qat.deploy_precision`); ``None`` (default): off. The
-            engines' checkpoints of a float32 model hold ``"float16"``. Lightning / Hugging Face models.
+            checkpoint holds what trained (:mod:`~nemo_fp4qat.qat.deploy_precision`); ``"auto"`` (default): the
+            dtype of the end-of-fit export (``export_dir``) where a float32 model's export holds 16-bit tensors (an
+            engine's checkpoint: float16), else off; ``None``: off. Lightning / Hugging Face models.
 
     Raises:
         ConfigError: any field the plugin cannot use (resolved once here: unknown presets, YAML files, fields,
@@ -100,7 +101,7 @@ class QATConfig:
     export: Any = None
     cuda_nvfp4_kernel: str | None = None
     learned_scales: Any = None
-    deploy_dtype: str | None = None
+    deploy_dtype: str | None = "auto"
 
     def __post_init__(self) -> None:
         policy = LayerPolicy.resolve_spec(self.policy)
@@ -115,7 +116,7 @@ class QATConfig:
                 f"cuda_nvfp4_kernel={self.cuda_nvfp4_kernel!r}: use one of {list(CUDA_NVFP4_KERNELS)} ('exact' trains "
                 "with the exporter's rounding, 'modelopt' with modelopt's own Triton kernel)"
             )
-        if self.deploy_dtype is not None:
+        if self.deploy_dtype not in (None, AUTO):
             DeployPrecision(self.deploy_dtype)  # refuses another dtype by name
         if not isinstance(self.share_fused_amax, bool):
             raise ValueError(f"share_fused_amax must be True or False, got {self.share_fused_amax!r}")

@@ -69,6 +69,36 @@ def _check_offset_groups(offsets: dict[str, Any], policy: LayerPolicy) -> None:
             )
 
 
+def refuse_rows_modelopt_left_unquantized(model: nn.Module, table: PolicyTable) -> None:
+    """Every module the policy quantizes holds modelopt's weight quantizer(s) after ``mtq.quantize``: a module type
+    modelopt wraps another way (or not at all) would otherwise train in 16 bits under a table that says FP4.
+
+    Raises:
+        ConfigError: naming the modules and their type.
+    """
+    quantizers = [n for n, m in model.named_modules() if is_quantizer(m)]
+    have = set(quantizers)
+    missing = [
+        r.module
+        for r in table.rows
+        if r.quantized
+        and not (
+            fnmatch.filter(quantizers, quantizer_glob(r.module, "weight"))
+            if is_fused_projection(r.module)
+            else quantizer_glob(r.module, "weight") in have
+        )
+    ]
+    if missing:
+        modules = dict(model.named_modules())
+        owner = modules.get(missing[0].rpartition(".")[0] if is_fused_projection(missing[0]) else missing[0])
+        raise ConfigError(
+            f"modelopt inserted no quantizer into {len(missing)} module(s) the policy quantizes ({missing[0]}, "
+            f"{type(owner).__name__}{' ...' if len(missing) > 1 else ''}): modelopt wraps this module type another "
+            "way or not at all, so it would train in 16 bits under a policy that says otherwise. Keep it in 16 bits "
+            "on purpose with a policy rule that matches it and gives no format."
+        )
+
+
 def refuse_attention_modelopt_cannot_convert(model: nn.Module, error: AssertionError) -> None:
     """modelopt (0.37) converts every Hugging Face attention class it meets for KV-cache quantization, rewriting its
     ``forward``; on a decorated ``forward`` (Jamba's SDPA attention) it fails a bare ``assert``.
@@ -206,6 +236,7 @@ class QATController:
         except AssertionError as e:
             refuse_attention_modelopt_cannot_convert(model, e)
             raise
+        refuse_rows_modelopt_left_unquantized(model, table)
         return table
 
     @property

@@ -21,7 +21,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["DEPLOY_DTYPES", "DeployPrecision", "refuse_deploy_dtype"]
+__all__ = ["AUTO", "DEPLOY_DTYPES", "DeployPrecision", "refuse_deploy_dtype"]
+
+# deploy_dtype="auto": the end-of-fit export's dtype for a float32 model's unquantized tensors, where it has one
+AUTO = "auto"
 
 DEPLOY_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -101,7 +104,7 @@ def refuse_deploy_dtype(deploy_dtype: str | None) -> None:
     Raises:
         ValueError: ``deploy_dtype`` set.
     """
-    if deploy_dtype is not None:
+    if deploy_dtype not in (None, AUTO):
         raise ValueError(
             f"deploy_dtype={deploy_dtype!r} on a megatron-core model (NeMo 2 / Megatron-Bridge): not supported (its "
             "parallel linears and embeddings are not covered). Train in bfloat16 (what the engines run, so the "

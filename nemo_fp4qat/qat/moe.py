@@ -44,12 +44,12 @@ __all__ = [
 # Routers (and Qwen2-MoE's shared-expert gate): the token-to-expert decision, kept in 16 bits by every policy.
 ROUTER_PATTERNS: tuple[str, ...] = (
     "*mlp.router", "*mlp.gate", "*block_sparse_moe.gate", "*shared_expert_gate", "*feed_forward.router",
-    "*mlp.router.gate", "*mixer.gate",
+    "*mlp.router.gate", "*mixer.gate", "*block_sparse_moe.router",
 )  # fmt: skip
 # Routed experts, one module per expert (HF ``experts.N.*``, megatron-core ``experts.local_experts.N.*``).
 EXPERT_PATTERNS: tuple[str, ...] = ("*.experts.*",)
 # Shared experts (every token goes through them: a dense MLP beside the routed experts).
-SHARED_EXPERT_PATTERNS: tuple[str, ...] = ("*shared_expert.*", "*shared_experts.*")
+SHARED_EXPERT_PATTERNS: tuple[str, ...] = ("*shared_expert.*", "*shared_experts.*", "*shared_mlp.*")
 
 # "<layer>.experts[.local_experts].<index>.<projection>"
 _EXPERT_NAME = re.compile(r"^(?P<layer>.+\.experts)\.(?:local_experts\.)?(?P<index>\d+)\.(?P<proj>[^.]+)$")

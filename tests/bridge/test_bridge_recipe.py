@@ -103,9 +103,51 @@ def test_qwen3_moe_nvfp4_qad_example_builds_bridges_moe_recipe_and_files_every_e
         assert rows[f"decoder.layers.{layer}.mlp.router"] == ["router", "bf16", "bf16"]
         assert rows[f"decoder.layers.{layer}.self_attention.linear_qkv"] == ["attention", "fp8", "fp8"]
         experts = {n: r for n, r in rows.items() if n.startswith(f"decoder.layers.{layer}.mlp.experts.")}
-        assert len(experts) == 128 * 2 and all(r == ["experts", "nvfp4", "nvfp4"] for r in experts.values())
+        assert sorted(experts) == [f"decoder.layers.{layer}.mlp.experts.local_experts.*.linear_fc{i}" for i in (1, 2)]
+        assert all(r == ["experts", "nvfp4", "nvfp4"] for r in experts.values())  # all 128 experts alike
     # what the plan built otherwise than the recipe on GPUs is said, not swapped silently
     assert "planned on this machine: transformer_impl='transformer_engine' built as megatron-core's local spec" in out
+
+
+def test_nemotron3_nano_example_plans_nvidias_recipe_on_bridges_hybrid_recipe_and_needs_mamba_ssm_to_train():
+    """Bridge's Nemotron 3 Nano recipe (52 hybrid layers, built whole on the meta device without mamba_ssm or
+    Transformer Engine) under the nemotron3_nano preset: the Mamba layer before each attention layer and attention
+    in 16 bits, "feeds attention layer N" in the plan, the other Mamba layers and the experts NVFP4, routers 16-bit;
+    training without mamba_ssm stops before anything is built, naming it."""
+    example = str(ROOT / "examples" / "bridge_nemotron3_nano_nvfp4_qad.py")
+    proc = subprocess.run([sys.executable, example, "--dryrun"], env=worker_env(HF_HUB_OFFLINE="1"),
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "model: HybridModelProvider layers=52 hidden=2688 experts=128 top_k=6" in out, out[:2000]
+    lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.startswith("decoder.layers.")}
+    pattern = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"  # the recipe's hybrid_layer_pattern
+    attention = [i for i, c in enumerate(pattern) if c == "*"]
+    feeding = {max(j for j in range(a) if pattern[j] == "M"): a for a in attention}
+    for i, kind in enumerate(pattern):
+        if kind == "M":
+            for proj in ("in_proj", "out_proj"):
+                row = lines[f"decoder.layers.{i}.mixer.{proj}"].split()
+                if i in feeding:
+                    assert row[1:4] == ["mixer_feeding_attention", "bf16", "bf16"], row
+                    assert (
+                        lines[f"decoder.layers.{i}.mixer.{proj}"]
+                        .rstrip()
+                        .endswith(f"feeds attention layer {feeding[i]}")
+                    )
+                else:
+                    assert row[1:4] == ["ssm_mixer", "nvfp4", "nvfp4"], row
+        elif kind == "*":
+            for proj in ("linear_qkv", "linear_proj"):
+                assert lines[f"decoder.layers.{i}.self_attention.{proj}"].split()[1:4] == ["attention", "bf16", "bf16"]
+        else:
+            assert lines[f"decoder.layers.{i}.mlp.router"].split()[1:4] == ["router", "bf16", "bf16"]
+            for proj in ("experts.local_experts.*.linear_fc1", "shared_experts.linear_fc2"):
+                assert lines[f"decoder.layers.{i}.mlp.{proj}"].split()[2:4] == ["nvfp4", "nvfp4"]
+    assert "conv1d is a parameter of the mixer" in out
+    refused = subprocess.run([sys.executable, example, "--base", "/ckpts/nano"], env=worker_env(HF_HUB_OFFLINE="1"),
+                             capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert refused.returncode == 2 and "training needs mamba_ssm" in refused.stderr, refused.stderr[-2000:]
 
 
 _GROUPED = """

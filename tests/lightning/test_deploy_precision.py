@@ -92,6 +92,28 @@ def test_rounded_weights_pass_gradients_straight_through_and_come_back_as_parame
     assert not model._forward_pre_hooks and torch.equal(model(tokens).logits, model(tokens).logits)
 
 
+def test_by_default_a_float32_run_trains_in_the_dtype_its_engine_export_holds_and_a_float32_export_needs_none(tmp_path):
+    """``deploy_dtype="auto"`` (the default): an engine's checkpoint of a float32 model holds float16 unquantized
+    tensors, so the run trains them in float16 and the served model computes what trained; a float32 export (this
+    plugin's server) rounds nothing, so nothing is rounded in training."""
+    tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(3))
+    trained, served, seen = _train(tmp_path / "engine", "auto")
+    assert seen and all(torch.equal(used, used.half().float()) for used, _ in seen)
+    hooks = DeployPrecision("float16")
+    hooks.install(trained)
+    assert torch.equal(_logits(trained, tokens), _logits(served, tokens))
+    hooks.remove()
+    lit = LitLM(tiny_llama(hidden=64), lr=1e-3)
+    cb = FP4QATCallback(policy="default", schedule="direct", calibration=8, export_dir=str(tmp_path / "fp32"),
+                        export={"kind": "hf", "runtime": "pytorch"}, module_getter=lambda m: m.net,
+                        forward_fn=lambda m, b: m(b[:, :-1]))  # fmt: skip
+    trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[cb])  # fmt: skip
+    trainer.fit(lit, loader(n=8))
+    assert cb.deploy_precision is None
+    assert torch.equal(_logits(lit.net, tokens), _logits(load_deployed_model(tmp_path / "fp32").model, tokens))
+
+
 def test_an_unknown_deploy_dtype_is_refused_by_name():
     with pytest.raises(ValueError, match=r"deploy_dtype='float8'.*float16"):
         QATConfig(deploy_dtype="float8")

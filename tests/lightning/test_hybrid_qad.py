@@ -12,12 +12,11 @@ from tiny_hybrids import build
 
 from nemo_fp4qat import FP4QATCallback
 from nemo_fp4qat.export import ExportConfig, export_checkpoint
+from nemo_fp4qat.qat.fused_experts import is_fused_projection
 
 from tiny_models import LitLM, loader
 
-# Jamba is left out: modelopt 0.47's exporter looks for Mixtral's expert names (w1 / w2 / w3) in its MoE
-# blocks and fails on JambaMLP's gate / up / down
-FAMILIES = ["Bamba", "FalconH1", "Zamba2", "Qwen3Next"]  # hybrids: attention beside the mixers
+FAMILIES = ["Bamba", "FalconH1", "Zamba2", "Qwen3Next", "Jamba", "GraniteMoeHybrid"]  # attention beside the mixers
 
 
 @pytest.mark.core_only  # the unified HF export of these families needs modelopt 0.47 (the core environment)
@@ -52,7 +51,11 @@ def test_a_hybrid_trains_with_qad_and_exports_validated_under_the_nano_preset(fa
     others = [r.module for r in rows if r.group in ("ssm_mixer", "linear_attention")]
     experts = [r.module for r in rows if r.group in ("experts", "mlp", "shared_experts") and r.quantizable]
     assert feeding and all(algo(n) is None for n in feeding)
-    assert experts and all(algo(n) == "NVFP4" for n in others + experts)
+    linears = [n for n in others + experts if not is_fused_projection(n)]  # fused experts export as linears
+    assert experts and all(algo(n) == "NVFP4" for n in linears)
+    exported_experts = [m for m in report["layers"] if ".experts." in m]
+    assert all(report["layers"][m] == "NVFP4" for m in exported_experts)
+    assert bool(exported_experts) == any(is_fused_projection(n) or ".experts." in n for n in experts)
     assert declared["kv_cache_quant_algo"] == "FP8"
 
 

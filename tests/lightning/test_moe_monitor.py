@@ -9,7 +9,7 @@ import pytest
 
 from nemo_fp4qat import FP4QATCallback, QuantizationMonitor
 
-from tiny_models import LitLM, loader, tiny_moe
+from tiny_models import LitLM, loader, per_expert_linears, tiny_moe
 
 
 class RoutedTokens(pl.Callback):
@@ -28,6 +28,7 @@ class RoutedTokens(pl.Callback):
                 m.register_forward_hook(hook)
 
 
+@per_expert_linears
 def test_the_monitor_counts_tokens_per_expert_names_a_dead_one_and_catches_inf_in_an_expert_input(tmp_path):
     model = tiny_moe("qwen3", seed=1)
 
@@ -74,6 +75,7 @@ def test_the_monitor_counts_tokens_per_expert_names_a_dead_one_and_catches_inf_i
     assert nonfinite[0]["metric"] == "input_nonfinite"
 
 
+@per_expert_linears
 def test_a_dead_expert_rolls_its_experts_group_back():
     """action="rollback": a dead expert's finding names the expert, not a quantized linear; it rolls back the policy
     group its linears belong to."""

@@ -15,7 +15,7 @@ from nemo_fp4qat import FP4QATCallback
 from nemo_fp4qat.export import ExportConfig, ExportRefused, export_checkpoint, validate_export
 from nemo_fp4qat.qat.moe import expert_projections
 
-from tiny_models import LitLM, loader, tiny_moe
+from tiny_models import LitLM, loader, per_expert_linears, tiny_moe
 
 SCHED = {"stages": [{"start": 0, "format": "fp8"}, {"start": 4, "format": "target"}]}
 
@@ -40,6 +40,7 @@ def _expert_input_amax(model) -> dict[tuple[str, str], set[float]]:
     return {k: {float(modules[n].input_quantizer.amax) for n in names} for k, names in projections.items()}
 
 
+@per_expert_linears
 def test_moe_qad_switches_resumes_bit_for_bit_and_exports_validated(tmp_path):
     torch.manual_seed(0)
     full = LitLM(tiny_moe("qwen3", seed=3), lr=1e-3)
@@ -60,12 +61,15 @@ def test_moe_qad_switches_resumes_bit_for_bit_and_exports_validated(tmp_path):
     torch.manual_seed(123)
     resumed = LitLM(tiny_moe("qwen3", seed=3), lr=1e-3)
     ckpt = sorted((tmp_path / "ckpt").glob("*step=3.ckpt"))[0]
-    _trainer([_callback()], 8, tmp_path).fit(resumed, loader(n=8, batch_size=8), ckpt_path=str(ckpt))
+    # the same configuration (an export at the end: its unquantized weights trained in float16, deploy_dtype="auto")
+    again = _callback(export_dir=str(tmp_path / "export_resumed"))
+    _trainer([again], 8, tmp_path).fit(resumed, loader(n=8, batch_size=8), ckpt_path=str(ckpt))
     assert resumed.losses == pytest.approx(full.losses[3:], rel=0, abs=0)
     for (n, a), (_, b) in zip(full.state_dict().items(), resumed.state_dict().items()):
         assert torch.equal(a, b), n
 
 
+@per_expert_linears
 def test_untied_expert_input_scales_fail_validation_and_a_trtllm_checkpoint_is_refused(tmp_path):
     model = tiny_moe("mixtral")
     # a run that would end in a TensorRT-LLM checkpoint (asked for, or the default for a module that is not a Hugging

@@ -15,7 +15,7 @@ from nemo_fp4qat.qat.moe import expert_projections, split_expert_name, tie_exper
 from nemo_fp4qat.qat.policy import POLICY_PRESETS
 from nemo_fp4qat.specs import ConfigError
 
-from tiny_models import FULL, VOCAB, tiny_moe
+from tiny_models import FULL, VOCAB, per_expert_linears, tiny_moe
 
 KINDS = ["qwen3", "mixtral", "qwen2"]
 FUSED = {"gate_proj": ("gate_proj", "up_proj"), "up_proj": ("gate_proj", "up_proj"), "w1": ("w1", "w3"),
@@ -34,6 +34,7 @@ def _rows(policy, model) -> dict[str, tuple[str, str, str]]:
     return {r.module: (r.group, r.weight, r.input) for r in LayerPolicy.resolve_spec(policy).resolve(model).rows}
 
 
+@per_expert_linears
 @pytest.mark.parametrize("preset", [p for p in POLICY_PRESETS if p != "trtllm_mixed"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_preset_files_routers_experts_and_shared_experts_as_groups_of_their_own(preset, kind):
@@ -50,6 +51,7 @@ def test_every_preset_files_routers_experts_and_shared_experts_as_groups_of_thei
     assert "embedding_output_norm" not in quantized_groups and "router" not in quantized_groups
 
 
+@per_expert_linears
 def test_a_yaml_policy_gives_experts_shared_experts_and_mlp_formats_of_their_own(tmp_path):
     path = tmp_path / "moe.yaml"
     path.write_text(
@@ -65,6 +67,7 @@ def test_a_yaml_policy_gives_experts_shared_experts_and_mlp_formats_of_their_own
     assert rows["model.layers.0.self_attn.q_proj"][1] == "bf16"  # default: null
 
 
+@per_expert_linears
 def test_a_policy_that_quantizes_a_router_is_refused_naming_it():
     model = tiny_moe("mixtral")
     bad = LayerPolicy(rules=[FULL, {"patterns": ["*gate", "*.experts.*"], "weight": "nvfp4", "group": "moe"}])
@@ -76,6 +79,7 @@ def test_a_policy_that_quantizes_a_router_is_refused_naming_it():
     assert rows["model.layers.0.block_sparse_moe.experts.0.w1"][1] == "nvfp4"
 
 
+@per_expert_linears
 def test_experts_of_one_layer_in_different_formats_are_refused_naming_the_layer():
     split = LayerPolicy(
         rules=[FULL, {"patterns": ["*.experts.0.*"], "weight": "fp8", "group": "expert0"},
@@ -120,6 +124,7 @@ def test_expert_names_split_for_hugging_face_and_megatron_core():
     assert split_expert_name("model.layers.0.mlp.down_proj") is None
 
 
+@per_expert_linears
 @pytest.mark.parametrize("kind", ["qwen3", "mixtral"])
 def test_calibration_gives_every_expert_one_input_amax_the_max_of_the_moe_input(kind):
     """The gate/up input of every expert is the MoE block's input (each token reaches top-k experts): tied, their amax
@@ -160,6 +165,7 @@ def test_calibration_gives_every_expert_one_input_amax_the_max_of_the_moe_input(
             assert float(modules[n].weight_quantizer.amax) == pytest.approx(expect, rel=1e-6)
 
 
+@per_expert_linears
 def test_an_expert_calibration_never_reached_gets_its_amax_and_one_with_no_expert_reached_is_refused():
     model = tiny_moe("qwen3")
     ctl = QATController(policy="default", calibration=8)
