@@ -37,7 +37,14 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
+    libs = f"torch {torch.__version__} ({torch.get_num_threads()} threads)"
+    try:
+        import transformers
+
+        libs += f", transformers {transformers.__version__}"
+    except ImportError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, {libs}"
 
 
 def write_result(name: str, markdown: str, data: dict) -> None:

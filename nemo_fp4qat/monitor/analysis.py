@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from ..numerics.metrics import quantization_error, weight_statistics
+from ..qat.fused_experts import expert_weight_quantizers
 
 __all__ = ["amax_of", "analyze_model", "quantized_layers"]
 
@@ -38,20 +39,29 @@ def _block(q: Any) -> int | None:
 
 
 def analyze_model(model: nn.Module) -> dict[str, dict[str, Any]]:
-    """Weight metrics for every enabled weight quantizer of ``model`` (usable alone after PTQ)."""
+    """Weight metrics for every enabled weight quantizer of ``model`` (usable alone after PTQ); a fused expert
+    container's experts each under its exported name (``<container>.<i>.gate_up_proj``)."""
     out: dict[str, dict[str, Any]] = {}
     with torch.no_grad():
         for name, m in quantized_layers(model).items():
             wq = getattr(m, "weight_quantizer", None)
             if wq is None or not wq.is_enabled or not isinstance(getattr(m, "weight", None), torch.Tensor):
                 continue
-            w = m.weight
-            qw = wq(w)
-            rec = {f"weight_{k}": v for k, v in quantization_error(w, qw).items()}
-            # saturation only where a static per-tensor amax enters the numerics (not MX formats)
-            static_amax = None if getattr(wq, "is_mx_format", False) else amax_of(wq)
-            rec.update({f"weight_{k}": v for k, v in weight_statistics(w, qw, static_amax, _block(wq)).items()})
-            rec["weight_amax"] = amax_of(wq)
+            rec = _weight_record(m.weight, wq)
             rec["input_amax"] = amax_of(getattr(m, "input_quantizer", None))
             out[name] = rec
+        for name, w, wq, iq in expert_weight_quantizers(model):  # fused experts: one record per expert
+            rec = _weight_record(w, wq)
+            rec["input_amax"] = amax_of(iq)
+            out[name] = rec
     return out
+
+
+def _weight_record(w: torch.Tensor, wq: Any) -> dict[str, Any]:
+    qw = wq(w)
+    rec = {f"weight_{k}": v for k, v in quantization_error(w, qw).items()}
+    # saturation only where a static per-tensor amax enters the numerics (not MX formats)
+    static_amax = None if getattr(wq, "is_mx_format", False) else amax_of(wq)
+    rec.update({f"weight_{k}": v for k, v in weight_statistics(w, qw, static_amax, _block(wq)).items()})
+    rec["weight_amax"] = amax_of(wq)
+    return rec

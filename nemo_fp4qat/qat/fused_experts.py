@@ -18,6 +18,7 @@ modelopt wrappers; DBRX, GraniteMoe) are not handled here and are refused by nam
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,7 @@ import torch.nn as nn
 
 __all__ = [
     "FusedExperts",
+    "expert_weight_quantizers",
     "fused_expert_containers",
     "fused_expert_reference",
     "is_fused_projection",
@@ -152,3 +154,18 @@ def fused_expert_reference(modules: dict[str, nn.Module], name: str, quantized: 
         half = ref.shape[0] // 2
         ref = ref[:half] if proj == "gate_proj" else ref[half:]
     return ref
+
+
+def expert_weight_quantizers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, nn.Module, nn.Module | None]]:
+    """Every enabled per-expert weight quantizer of ``model``'s fused expert containers as ``(name, expert's weight,
+    weight quantizer, the projection's input quantizer)``, named like the exported expert linear
+    (``<container>.<i>.gate_up_proj``), so a finding about it names the expert."""
+    for name, module in model.named_modules():
+        for proj in ("gate_up_proj", "up_proj", "down_proj"):
+            quantizers = getattr(module, f"{proj}_weight_quantizers", None)
+            weight = getattr(module, proj, None)
+            if not isinstance(quantizers, nn.ModuleList) or not isinstance(weight, torch.Tensor):
+                continue
+            for i, q in enumerate(quantizers):
+                if getattr(q, "is_enabled", False):
+                    yield f"{name}.{i}.{proj}", weight[i], q, getattr(module, f"{proj}_input_quantizer", None)

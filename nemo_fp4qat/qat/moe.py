@@ -86,10 +86,14 @@ def module_standing_for(name: str, modules: Iterable[str]) -> str | None:
     inside it (an expert's finding, ``<layer>.experts.<i>``, names the expert, not its linears), else, for an expert
     named by its global index, the first module inside its layer's experts (megatron-core names them
     ``experts.local_experts.<local index>``, and under expert parallelism another rank may hold expert ``i``: every
-    expert of a layer falls under one policy group)."""
+    expert of a layer falls under one policy group); a fused container's expert (``<layer>.experts.<i>.down_proj``)
+    stands for its projection's row (``<layer>.experts.down_proj``)."""
     names = set(modules)
     if name in names:
         return name
+    parts = split_expert_name(name)  # a fused container's expert: its projection's policy row
+    if parts is not None and f"{parts[0]}.{parts[2]}" in names:
+        return f"{parts[0]}.{parts[2]}"
     inside = sorted(n for n in names if n.startswith(f"{name}."))
     if not inside:
         head, _, index = name.rpartition(".")

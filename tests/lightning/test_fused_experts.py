@@ -141,3 +141,20 @@ def test_fused_experts_of_another_layout_are_refused_by_name(family):
 def test_a_weight_scale_lever_with_fused_experts_is_refused_by_name(lever):
     with pytest.raises(ConfigError, match=r"with fused experts \(model\.layers\.0\.mlp\.experts\.gate_up_proj"):
         QATController(policy="default", **lever).prepare(build("Qwen3Moe"))
+
+
+def test_the_monitor_measures_every_expert_and_a_finding_about_one_names_its_group():
+    from nemo_fp4qat.monitor.analysis import analyze_model
+
+    model = build("Qwen3Moe")
+    ctl = QATController(policy="default", schedule="direct", forward_fn=_forward)
+    ctl.prepare(model)
+    ctl.calibrate(model, _batches())
+    records = analyze_model(model)
+    for layer in (0, 1):
+        for i in range(4):
+            for proj in ("gate_up_proj", "down_proj"):
+                rec = records[f"model.layers.{layer}.mlp.experts.{i}.{proj}"]
+                assert rec["weight_rel_err"] > 0 and rec["input_amax"] is not None
+    assert ctl.group_of("model.layers.0.mlp.experts.3") == "experts"  # a dead expert's finding
+    assert ctl.group_of("model.layers.0.mlp.experts.3.down_proj") == "experts"  # a per-expert error finding

@@ -103,3 +103,36 @@ def test_nemotron_h_under_the_nano_preset_exports_nvidias_published_recipe(tmp_p
     assert not [m for m in layers if m.endswith(("conv1d", "mixer.gate")) and layers[m] is not None]
     rows = {r.module: r for r in qat.controller.table.rows}
     assert rows["model.layers.0.mixer.conv1d"].weight == "bf16" and rows["model.layers.1.mixer.gate"].group == "router"
+
+
+@pytest.mark.core_only  # NemotronH and its fused experts: transformers 5 and modelopt 0.47 (the core environment)
+def test_a_hybrid_moe_resumes_bit_for_bit_and_the_monitor_measures_its_mixers_and_experts():
+    """modelopt's aggressive Mamba-MoE recipe on NemotronH (its Mamba projections and experts NVFP4): the quantizers
+    rebuilt from a checkpoint compute what the saved model did, and the monitor measures each mixer projection and
+    each expert."""
+    import copy
+
+    import torch
+
+    from nemo_fp4qat import QATController
+    from nemo_fp4qat.monitor.analysis import analyze_model
+
+    def forward(m, b):
+        return m(b)
+
+    batches = [torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(s)) for s in range(4)]
+    model = build("NemotronH")
+    ctl = QATController(policy="mamba_moe_aggressive", schedule="direct", forward_fn=forward)
+    ctl.prepare(model)
+    ctl.calibrate(model, batches)
+    records = analyze_model(model)
+    assert {"model.layers.0.mixer.in_proj", "model.layers.0.mixer.out_proj"} <= set(records)
+    assert all(f"model.layers.{layer}.mixer.experts.{i}.up_proj" in records for layer in (1, 3) for i in range(4))
+    state, weights = ctl.state_dict(), model.state_dict()
+    resumed = build("NemotronH")
+    ctl2 = QATController(policy="mamba_moe_aggressive", schedule="direct", forward_fn=forward)
+    ctl2.prepare(resumed)
+    ctl2.sync_to_checkpoint(resumed, copy.deepcopy(state), weights)
+    resumed.load_state_dict(weights, strict=True)
+    with torch.no_grad():
+        assert torch.equal(resumed(batches[0]).logits, model(batches[0]).logits)
