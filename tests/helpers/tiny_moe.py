@@ -26,6 +26,8 @@ FUSED_MOE: dict[str, dict] = {
     "DeepseekV2": {}, "Dots1": {}, "Glm4Moe": {}, "Glm4MoeLite": {}, "Ernie4_5_Moe": {}, "ExaoneMoe": {},
     "Cohere2Moe": {}, "HunYuanMoEV1": {}, "GraniteMoe": {}, "GraniteMoeShared": {}, "SolarOpen": {},
     "Mistral4": {}, "Afmoe": {}, "HYV3": {}, "Laguna": {}, "MiMoV2Flash": {}, "Mellum": {},
+    "FlexOlmo": dict(pad_token_id=1, bos_token_id=2, eos_token_id=3),  # its defaults lie outside a small vocabulary
+    "Lfm2Moe": dict(layer_types=["full_attention", "conv"], num_dense_layers=0),  # short convolutions beside attention
 }  # fmt: skip
 # fused experts in another layout, with modelopt wrappers of their own: refused by name at prepare
 OTHER_LAYOUT_MOE: dict[str, dict] = {"GptOss": {}, "JetMoe": {}}
