@@ -203,3 +203,33 @@ def test_vllm_gives_each_moe_layer_of_a_qwen3_moe_export_the_fused_moe_method_of
             want[f"model.layers.{i}.self_attn.{m}"] = {"excluded": False, "algo": "FP8"}
     want["lm_head"] = {"excluded": True, "algo": None}
     assert got["layers"] == want, got["layers"]
+
+
+@pytest.mark.skipif(not ENGINES_PYTHON, reason="the engines environment: make test-engines")
+def test_vllm_reads_a_nemotron_h_export_under_the_nano_preset_as_nvidias_recipe(tmp_path):
+    """A tiny NemotronH (Mamba, MoE, attention, MoE) calibrated under ``nemotron3_nano`` and exported for vLLM, read by
+    vLLM's own config in the hub's ``backbone.`` names: each MoE layer one NVFP4 fused MoE, the shared experts NVFP4,
+    the Mamba layer feeding attention, attention and lm_head excluded."""
+    import torch
+    from tiny_hybrids import build
+
+    from nemo_fp4qat import QATController
+
+    model = build("NemotronH")
+    model.config.architectures = [type(model).__name__]
+    ctl = QATController(policy="nemotron3_nano", calibration=4)
+    ctl.prepare(model)
+    g = torch.Generator().manual_seed(0)
+    ctl.calibrate(model, [torch.randint(0, 96, (2, 16), generator=g) for _ in range(2)])
+    out = export_checkpoint(model, tmp_path / "hf", ExportConfig(kind="hf", runtime="vllm"))
+    got = _run_worker(ENGINES_PYTHON, "vllm_parser_worker.py", str(out), str(tmp_path / "vllm.json"))
+    layers = got["layers"]
+    for i in (1, 3):
+        assert layers[f"backbone.layers.{i}.mixer.experts"]["method"] == "ModelOptNvFp4FusedMoE", layers
+        assert layers[f"backbone.layers.{i}.mixer.experts"]["algo"] == "NVFP4"
+        shared = {n: v for n, v in layers.items() if n.startswith(f"backbone.layers.{i}.mixer.shared_experts.")}
+        # (the worker's Llama packing lists the shared expert's lone up_proj under gate_up_proj)
+        assert len(shared) == 2 and all(v == {"excluded": False, "algo": "NVFP4"} for v in shared.values()), shared
+    for kept in ("backbone.layers.0.mixer.in_proj", "backbone.layers.0.mixer.out_proj",
+                 "backbone.layers.2.mixer.qkv_proj", "backbone.layers.2.mixer.o_proj", "lm_head"):  # fmt: skip
+        assert layers[kept]["excluded"], (kept, layers[kept])
