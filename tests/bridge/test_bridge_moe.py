@@ -81,7 +81,6 @@ def test_expert_parallel_qad_trains_as_one_rank_and_exports_the_same_checkpoint(
             torch.testing.assert_close(b[key].float(), a[key].float(), rtol=1e-3, atol=1e-4, msg=key)
 
 
-@pytest.mark.slow_bridge
 def test_expert_parallel_qad_resumes_bit_for_bit_with_each_ranks_teacher_and_calibration(tmp_path, hf_moe):
     """Killed at step 3, before the switch at 4 recalibrates: each EP rank resumes its own experts' teacher and its
     own calibration samples (a rank given another's would recalibrate, or distil, differently)."""
@@ -96,7 +95,6 @@ def test_expert_parallel_qad_resumes_bit_for_bit_with_each_ranks_teacher_and_cal
         assert resumed["ranks"][r]["expert_input_amax"] == straight["ranks"][r]["expert_input_amax"]
 
 
-@pytest.mark.slow_bridge
 def test_expert_parallel_with_pipeline_parallel_trains_as_one_rank_and_exports_the_same_checkpoint(tmp_path, hf_moe):
     """PP 2 x EP 2 on four ranks (data parallel 2): rank 0 gathers each stage's layers and each expert rank's experts
     into the one-rank model, and its export equals the EP 1 export code for code."""

@@ -78,7 +78,6 @@ def test_imported_moe_trains_and_exports_a_validated_mixed_precision_hf_checkpoi
     assert _tensors(export)["model.layers.0.mlp.experts.3.down_proj.weight"].dtype == torch.uint8  # packed FP4
 
 
-@pytest.mark.slow_nemo
 def test_expert_parallel_2_trains_as_one_rank_and_exports_the_same_checkpoint(imported, tmp_path):
     hf_dir, base, one, export = imported
     # each EP 2 rank calibrates on its half of the samples the one-rank run calibrates on
