@@ -140,14 +140,19 @@ SSM_MIXER = (
     "*mamba.in_proj", "*mamba.out_proj", "*mamba.x_proj", "*mamba.dt_proj",
     "*mixer.in_proj", "*mixer.out_proj", "*mixer.x_proj", "*mixer.dt_proj",
 )  # fmt: skip
-# Linear attention (Qwen3-Next's gated DeltaNet, ``linear_attn``); its small a/b projections stay 16-bit (below).
-LINEAR_ATTENTION = ("*linear_attn.in_proj_qkvz", "*linear_attn.out_proj")
+# Linear attention (gated DeltaNet, ``linear_attn``: Qwen3-Next's fused projections, OLMo-Hybrid's q/k/v/g/o); its
+# small a/b (decay and gate) projections stay 16-bit (below).
+LINEAR_ATTENTION = (
+    "*linear_attn.in_proj_qkvz", "*linear_attn.out_proj", "*linear_attn.q_proj", "*linear_attn.k_proj",
+    "*linear_attn.v_proj", "*linear_attn.g_proj", "*linear_attn.o_proj",
+)  # fmt: skip
 # Always 16-bit: the mixers' depthwise convolution (a rule that quantizes it is refused: refuse_quantized_conv1d),
 # the gated DeltaNet's a/b projections, Nemotron 3's latent MoE projections and multi-token-prediction layers (as
 # modelopt's Mamba-MoE recipes keep them).
 _HYBRID_16BIT = [
     dict(patterns=["*conv1d"], weight=None, group="conv1d", optional=True),
-    dict(patterns=["*linear_attn.in_proj_ba", "*linear_attn.in_proj_a", "*linear_attn.in_proj_b"], weight=None,
+    dict(patterns=["*linear_attn.in_proj_ba", "*linear_attn.in_proj_a", "*linear_attn.in_proj_b",
+                   "*linear_attn.a_proj", "*linear_attn.b_proj"], weight=None,
          group="linear_attention_gates", optional=True),
     dict(patterns=["*fc1_latent_proj", "*fc2_latent_proj"], weight=None, group="latent_proj", optional=True),
     dict(patterns=["mtp.*", "*.mtp.*"], weight=None, group="multi_token_prediction", optional=True),

@@ -16,7 +16,8 @@ from nemo_fp4qat.qat.fused_experts import is_fused_projection
 
 from tiny_models import LitLM, loader
 
-FAMILIES = ["Bamba", "FalconH1", "Zamba2", "Qwen3Next", "Jamba", "GraniteMoeHybrid"]  # attention beside the mixers
+# attention beside the mixers
+FAMILIES = ["Bamba", "FalconH1", "Zamba", "Zamba2", "Qwen3Next", "OlmoHybrid", "Jamba", "GraniteMoeHybrid"]
 
 
 @pytest.mark.core_only  # the unified HF export of these families needs modelopt 0.47 (the core environment)
