@@ -23,8 +23,8 @@ HYBRIDS: dict[str, dict] = {
     "Mamba2": dict(num_heads=4, head_dim=32, state_size=8, n_groups=1, chunk_size=16, expand=2),
     "Zamba2": dict(mamba_d_state=8, mamba_headdim=16, n_mamba_heads=8, num_mem_blocks=1, hybrid_layer_ids=[1, 3],
                    layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], attention_head_dim=32),
-    "Zamba": dict(use_mamba_kernels=False, num_hidden_layers=5, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, n_mamba_heads=2,
-                  mamba_dt_rank=8, attention_head_dim=16),
+    "Zamba": dict(use_mamba_kernels=False, num_hidden_layers=5, attn_layer_period=2, attn_layer_offset=1,
+                  mamba_d_state=8, n_mamba_heads=2, mamba_dt_rank=8, attention_head_dim=16),  # 2 shared attentions
     "OlmoHybrid": dict(layer_types=["linear_attention", "full_attention"] * 2, pad_token_id=1, bos_token_id=2,
                        eos_token_id=3),
     "Qwen3Next": dict(layer_types=["linear_attention", "full_attention"] * 2, num_experts=4, num_experts_per_tok=2,
