@@ -20,8 +20,9 @@ __all__ = ["model_name_resolver"]
 _GATED_LEAVES = ("gate_proj", "up_proj")
 
 
-def _conversions(model: nn.Module) -> tuple[list[Any], list[Any]]:
-    """transformers' (renamings, converters) for ``model``; none where transformers has no mapping (4.x)."""
+def _conversions(model: nn.Module, prefixes: bool = False) -> tuple[list[Any], list[Any]]:
+    """transformers' (renamings, converters) for ``model``, its prefix changes among the renamings with
+    ``prefixes``; none where transformers has no mapping (4.x)."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import PrefixChange, WeightConverter
@@ -31,7 +32,7 @@ def _conversions(model: nn.Module) -> tuple[list[Any], list[Any]]:
         mapping = get_model_conversion_mapping(model, add_legacy=False)
     except Exception:  # a model transformers does not know (megatron-core, plain torch)
         return [], []
-    mapping = [m for m in mapping if not isinstance(m, PrefixChange)]
+    mapping = [m for m in mapping if prefixes or not isinstance(m, PrefixChange)]
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
     return [m for m in mapping if not isinstance(m, WeightConverter)], converters
 
@@ -42,12 +43,20 @@ def model_name_resolver(model: nn.Module) -> Callable[[str], str]:
     ``<container>.experts.<i>.gate_proj`` / ``up_proj`` / ``down_proj`` (what
     :func:`~nemo_fp4qat.qat.fused_experts.fused_expert_reference` reads). Identity where transformers has no
     mapping."""
-    renamings, converters = _conversions(model)
-    if not renamings and not converters:
+    # a prefix change (Qwen3.5's ``model.language_model.`` on the hub) is applied on save or not, depending on how the
+    # model was made: the name is read both ways, and the one the model holds wins
+    ways = [_conversions(model, prefixes=True), _conversions(model)]
+    if not any(renamings or converters for renamings, converters in ways):
         return lambda name: name
     from transformers.core_model_loading import rename_source_key
 
+    held = {n for n, _ in model.named_modules()}
+
     def resolve(name: str) -> str:
+        found = [one(name, renamings, converters) for renamings, converters in ways]
+        return next((f for f in found if f in held or f.rpartition(".")[0].rpartition(".")[0] in held), found[0])
+
+    def one(name: str, renamings: list[Any], converters: list[Any]) -> str:
         key, _ = rename_source_key(f"{name}.weight", renamings, [])
         for converter in converters:
             _, pattern = rename_source_key(key, [], [converter])

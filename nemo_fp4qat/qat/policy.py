@@ -140,10 +140,12 @@ SSM_MIXER = (
     "*mamba.in_proj", "*mamba.out_proj", "*mamba.x_proj", "*mamba.dt_proj",
     "*mixer.in_proj", "*mixer.out_proj", "*mixer.x_proj", "*mixer.dt_proj",
 )  # fmt: skip
-# Linear attention (gated DeltaNet, ``linear_attn``: Qwen3-Next's fused projections, OLMo-Hybrid's q/k/v/g/o); its
+# Linear attention (gated DeltaNet, ``linear_attn``: Qwen3-Next's and Qwen3.5's fused projections, OLMo-Hybrid's
+# q/k/v/g/o); its
 # small a/b (decay and gate) projections stay 16-bit (below).
 LINEAR_ATTENTION = (
-    "*linear_attn.in_proj_qkvz", "*linear_attn.out_proj", "*linear_attn.q_proj", "*linear_attn.k_proj",
+    "*linear_attn.in_proj_qkvz", "*linear_attn.in_proj_qkv", "*linear_attn.in_proj_z", "*linear_attn.out_proj",
+    "*linear_attn.q_proj", "*linear_attn.k_proj",
     "*linear_attn.v_proj", "*linear_attn.g_proj", "*linear_attn.o_proj",
 )  # fmt: skip
 # Always 16-bit: the mixers' depthwise convolution (a rule that quantizes it is refused: refuse_quantized_conv1d),

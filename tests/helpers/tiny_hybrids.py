@@ -30,6 +30,14 @@ HYBRIDS: dict[str, dict] = {
     "Qwen3Next": dict(layer_types=["linear_attention", "full_attention"] * 2, num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=32, shared_expert_intermediate_size=32, linear_num_key_heads=2,
                       linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, head_dim=16),
+    # Qwen3.5 (dense and MoE): gated DeltaNet with in_proj_qkv / in_proj_z
+    "Qwen3_5": dict(layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
+                    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, head_dim=16,
+                    pad_token_id=1),
+    "Qwen3_5Moe": dict(layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
+                       linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, head_dim=16,
+                       pad_token_id=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=32),
     "GraniteMoeHybrid": dict(layer_types=["mamba", "attention"] * 2, num_local_experts=4, num_experts_per_tok=2,
                              shared_intermediate_size=64, **_MAMBA2),
     # Nemotron 3's shape: Mamba, MoE (fused non-gated experts, a shared expert), attention, MoE
@@ -45,5 +53,7 @@ def build(family: str) -> torch.nn.Module:
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cfg = getattr(transformers, f"{family}Config")(**{**_COMMON, **HYBRIDS[family]})
+        # a multimodal family's causal LM takes its text config (Qwen3.5)
+        config = getattr(transformers, f"{family}TextConfig", None) or getattr(transformers, f"{family}Config")
+        cfg = config(**{**_COMMON, **HYBRIDS[family]})
         return getattr(transformers, f"{family}ForCausalLM")(cfg)

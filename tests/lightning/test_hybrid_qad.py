@@ -3,7 +3,6 @@ to the model before quantization) and a unified HF export validated code for cod
 
 from __future__ import annotations
 
-import fnmatch
 import json
 
 import lightning.pytorch as pl
@@ -12,12 +11,24 @@ from tiny_hybrids import build
 
 from nemo_fp4qat import FP4QATCallback
 from nemo_fp4qat.export import ExportConfig, export_checkpoint
+from nemo_fp4qat.export.hub_names import model_name_resolver
 from nemo_fp4qat.qat.fused_experts import is_fused_projection
 
 from tiny_models import LitLM, loader
 
 # attention beside the mixers
-FAMILIES = ["Bamba", "FalconH1", "Zamba", "Zamba2", "Qwen3Next", "OlmoHybrid", "Jamba", "GraniteMoeHybrid"]
+FAMILIES = [
+    "Bamba",
+    "FalconH1",
+    "Zamba",
+    "Zamba2",
+    "Qwen3Next",
+    "Qwen3_5",
+    "Qwen3_5Moe",
+    "OlmoHybrid",
+    "Jamba",
+    "GraniteMoeHybrid",
+]
 
 
 @pytest.mark.core_only  # the unified HF export of these families needs modelopt 0.47 (the core environment)
@@ -36,15 +47,15 @@ def test_a_hybrid_trains_with_qad_and_exports_validated_under_the_nano_preset(fa
     report = json.loads((out / "validation.json").read_text())
     assert report["ok"], report
     assert report["numeric"]["fp4_codes_compared"] > 0 and report["numeric"]["fp4_codes_different"] == 0
+    assert "layers_without_counterpart" not in report["numeric"]  # every exported layer compared with what trained
     declared = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
+    # the format the checkpoint declares for each exported layer, as the validator read it, by the trained module's
+    # name (transformers saves in the hub's layout: Qwen3.5's model.language_model.)
+    in_memory = model_name_resolver(model)
+    formats = {in_memory(m): a for m, a in report["layers"].items()}
 
     def algo(module: str) -> str | None:
-        """The format the checkpoint declares for ``module``: its per-layer entry, or the one format of the
-        checkpoint unless an exclude glob names it."""
-        if "quantized_layers" in declared:
-            return declared["quantized_layers"].get(module, {}).get("quant_algo")
-        excluded = any(fnmatch.fnmatchcase(module, g) for g in declared.get("exclude_modules", []))
-        return None if excluded else declared["quant_algo"]
+        return formats[module]
 
     # the mixers feeding attention (16-bit) are not declared quantized; the others are NVFP4
     rows = qat.controller.table.rows
@@ -52,8 +63,9 @@ def test_a_hybrid_trains_with_qad_and_exports_validated_under_the_nano_preset(fa
     others = [r.module for r in rows if r.group in ("ssm_mixer", "linear_attention")]
     experts = [r.module for r in rows if r.group in ("experts", "mlp", "shared_experts") and r.quantizable]
     assert feeding and all(algo(n) is None for n in feeding)
-    linears = [n for n in others + experts if not is_fused_projection(n)]  # fused experts export as linears
-    assert experts and all(algo(n) == "NVFP4" for n in linears)
+    # fused experts export as per-expert linears; Zamba's shared transformer, tied across its layers, exports once
+    linears = [n for n in others + experts if not is_fused_projection(n) and n in formats]
+    assert experts and linears and all(algo(n) == "NVFP4" for n in linears)
     exported_experts = [m for m in report["layers"] if ".experts." in m]
     assert all(report["layers"][m] == "NVFP4" for m in exported_experts)
     assert bool(exported_experts) == any(is_fused_projection(n) or ".experts." in n for n in experts)
