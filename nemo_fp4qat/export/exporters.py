@@ -168,7 +168,11 @@ def _export_hf(model: nn.Module, out: Path, cfg: ExportConfig) -> None:
         return
     # modelopt's HF exporter replaces the weights of the model it is given with packed ones: export a copy
     # so the trained model stays usable (the training run may go on, or be evaluated after export).
-    work = copy.deepcopy(model)
+    # Tensors a module keeps from its last forward (RecurrentGemma's recurrent state, computed with gradients) cannot
+    # be deep-copied; the copy holds them detached (the export writes parameters and buffers, not these).
+    kept = {id(t): t.detach().clone() for m in model.modules() for t in vars(m).values()
+            if isinstance(t, torch.Tensor) and not t.is_leaf}  # fmt: skip
+    work = copy.deepcopy(model, kept)
     _ensure_architectures(work)
     packed, declared = _hf_dtypes(model, cfg)
     with modelopt_export_on_cpu(), _fp8_weights_divided_in_float32(), torch.inference_mode():

@@ -20,11 +20,13 @@ ENGINE_FUSED_NAMES: dict[tuple[str, ...], str] = {
     ("gate_proj", "up_proj"): "gate_up_proj",
 }
 # w1/w3: Mixtral's experts; q_a_proj / kv_a_proj_with_mqa: multi-head latent attention's down projections
-# (DeepSeek-V2/V3, GLM-4 MoE Lite, Mistral 4), which read one input and deploy fused (vLLM's fused_qkv_a_proj)
+# (DeepSeek-V2/V3, GLM-4 MoE Lite, Mistral 4), which read one input and deploy fused (vLLM's fused_qkv_a_proj);
+# linear_x / linear_y: RecurrentGemma's recurrent block, whose two input projections modelopt's exporter fuses
 FUSED_SIBLING_SETS: tuple[tuple[str, ...], ...] = (
     *ENGINE_FUSED_NAMES,
     ("w1", "w3"),
     ("q_a_proj", "kv_a_proj_with_mqa"),
+    ("linear_x", "linear_y"),
 )
 
 

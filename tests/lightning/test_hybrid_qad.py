@@ -149,3 +149,30 @@ def test_a_hybrid_moe_resumes_bit_for_bit_and_the_monitor_measures_its_mixers_an
     resumed.load_state_dict(weights, strict=True)
     with torch.no_grad():
         assert torch.equal(resumed(batches[0]).logits, model(batches[0]).logits)
+
+
+@pytest.mark.core_only  # RecurrentGemma's export: modelopt 0.47 (the core environment)
+def test_a_recurrent_hybrid_keeping_its_state_from_training_exports_validated(tmp_path):
+    """RecurrentGemma (RG-LRU recurrent blocks beside local attention) keeps its recurrent state from the last training
+    forward, computed with gradients: the export copies the model all the same and validates it code for code."""
+    import torch
+    import transformers
+
+    if not hasattr(transformers, "RecurrentGemmaConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no RecurrentGemma")
+    torch.manual_seed(0)
+    config = transformers.RecurrentGemmaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                                               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                               intermediate_size=64, block_types=["recurrent", "attention"],
+                                               lru_width=64, attention_window_size=16, conv1d_width=4)  # fmt: skip
+    model = transformers.RecurrentGemmaForCausalLM(config)
+    model.config.architectures = [type(model).__name__]
+    qat = FP4QATCallback(policy="default", schedule="direct", calibration=8, distillation="qad",
+                         module_getter=lambda lit: lit.net)  # fmt: skip
+    trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[qat])  # fmt: skip
+    trainer.fit(LitLM(model), loader(n=8, batch_size=4, seq_len=16))
+    out = export_checkpoint(model, tmp_path / "export", ExportConfig(kind="hf", runtime="vllm"))
+    report = json.loads((out / "validation.json").read_text())
+    assert report["ok"] and report["numeric"]["fp4_codes_compared"] > 0, report
+    assert "layers_without_counterpart" not in report["numeric"]
