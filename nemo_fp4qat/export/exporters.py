@@ -40,6 +40,7 @@ from .atomic import atomic_directory, write_manifest
 from .engine_dtype import round_unquantized_tensors
 from .engine_fields import declare_for_engines
 from .engine_plan import EnginePlan, deployment_notes, write_engine_plan
+from .gpt_oss_mxfp4 import gpt_oss_expert_containers, gpt_oss_preflight, write_gpt_oss_mxfp4
 from .mcore_layer_formats import declare_mcore_layer_formats
 from .runtime_support import ENGINE_RUNTIMES, HF_ONLY_RUNTIMES, RUNTIMES, ExportRefused, preflight
 
@@ -165,6 +166,9 @@ def _export_hf(model: nn.Module, out: Path, cfg: ExportConfig) -> None:
 
     if not _is_hf_model(model):
         _export_mcore_hf(model, out, cfg)
+        return
+    if gpt_oss_expert_containers(model):  # gpt-oss's own MXFP4 layout, which the engines load as gpt-oss
+        write_gpt_oss_mxfp4(model, out, export_dtype(model, cfg))
         return
     # modelopt's HF exporter replaces the weights of the model it is given with packed ones: export a copy
     # so the trained model stays usable (the training run may go on, or be evaluated after export).
@@ -427,7 +431,10 @@ def export_checkpoint(
     out = Path(out_dir)
     # learned block scales (LSQ) become the plain static scales checkpoints store; the forward is unchanged
     fold_learned_scales(model)
-    layers = preflight(model, cfg.runtime, cfg.tensor_parallel)
+    if gpt_oss_expert_containers(model):  # gpt-oss's own MXFP4 layout
+        layers = gpt_oss_preflight(model, cfg.kind)
+    else:
+        layers = preflight(model, cfg.runtime, cfg.tensor_parallel)
     if cfg.kind == "trtllm":
         refuse_moe_trtllm(model)
         _refuse_static_fused_qkv(model)

@@ -30,6 +30,7 @@ import torch.nn as nn
 from ..qat.moe import expert_projections
 from .atomic import file_sha256, read_manifest
 from .engine_fields import engine_field_problems, is_fused_alias, layer_entry
+from .gpt_oss_mxfp4 import is_gpt_oss_mxfp4_checkpoint, validate_gpt_oss_mxfp4
 from .hub_names import model_name_resolver
 from .layout import FLOAT_DTYPES, SCALE_NAMES, check_layout, layer_layout
 from .reader import group_by_module, load_export, merge_ranks
@@ -60,22 +61,15 @@ def validate_export(
     if runtime not in RUNTIMES:
         raise ValueError(f"Unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}.")
     path = Path(path)
+    if is_gpt_oss_mxfp4_checkpoint(path):
+        rep = validate_gpt_oss_mxfp4(path, model, runtime)
+        _check_manifest(rep, path, require_manifest)
+        return rep
     kind, qcfg, ranks = load_export(path)
     algo = qcfg.get("quant_algo")
     kv = qcfg.get("kv_cache_quant_algo")
     rep = ValidationReport(str(path), kind, algo, kv, runtime)
-
-    manifest = read_manifest(path)
-    if manifest is None:
-        if require_manifest:
-            rep.warnings.append(Problem(str(path), "no nemo_fp4qat manifest: not written by nemo-fp4qat export."))
-    else:
-        for rel, meta in manifest.get("files", {}).items():
-            f = path / rel
-            if not f.is_file() or f.stat().st_size != meta["bytes"]:
-                rep.error(rel, "missing or truncated (size differs from the export manifest).")
-            elif "sha256" in meta and file_sha256(f) != meta["sha256"]:
-                rep.error(rel, "contents differ from the export manifest (sha256): changed after export; re-export.")
+    _check_manifest(rep, path, require_manifest)
 
     if algo is None:
         rep.error("quant_algo", "not set: the checkpoint declares no quantization.")
@@ -216,6 +210,21 @@ def validate_export(
     if model is not None and not rep.numeric.get("layers_compared"):
         rep.warnings.append(Problem(str(path), "no exported layer matched a model layer: numeric check skipped."))
     return rep
+
+
+def _check_manifest(rep: ValidationReport, path: Path, require_manifest: bool) -> None:
+    """Every file the export manifest lists is present, with its size and sha256."""
+    manifest = read_manifest(path)
+    if manifest is None:
+        if require_manifest:
+            rep.warnings.append(Problem(str(path), "no nemo_fp4qat manifest: not written by nemo-fp4qat export."))
+        return
+    for rel, meta in manifest.get("files", {}).items():
+        f = path / rel
+        if not f.is_file() or f.stat().st_size != meta["bytes"]:
+            rep.error(rel, "missing or truncated (size differs from the export manifest).")
+        elif "sha256" in meta and file_sha256(f) != meta["sha256"]:
+            rep.error(rel, "contents differ from the export manifest (sha256): changed after export; re-export.")
 
 
 def _check_rotary_base(rep: ValidationReport, model: nn.Module, config: dict) -> None:

@@ -11,8 +11,12 @@ This plugin files each fused projection as one policy row named ``<container>.<p
 (``model.layers.0.mlp.experts.gate_up_proj``): rules match it like a linear layer's name, and this module maps it to
 modelopt's quantizer names and back, and an exported expert linear to the trained weight it came from.
 
-The experts that follow another layout (gpt-oss's and Llama-4's transposed ``[E, H, 2F]`` weights with their own
-modelopt wrappers; DBRX, GraniteMoe) are not handled here and are refused by name where a policy would quantize them.
+gpt-oss holds its experts transposed (``GptOssExperts.gate_up_proj [E, H, 2F]``, gate and up interleaved, with
+biases): modelopt's ``_QuantGptOssExperts`` gives each projection one weight quantizer for every expert
+(``gate_up_proj_weight_quantizer``, quantizing the weight transposed, per block along the contraction) and one input
+quantizer; the export writes gpt-oss's own MXFP4 layout (:mod:`nemo_fp4qat.export.gpt_oss_mxfp4`). Llama-4's
+transposed experts, DBRX's and GraniteMoe's are not handled here and are refused by name where a policy would
+quantize them.
 """
 
 from __future__ import annotations
@@ -25,11 +29,13 @@ import torch
 import torch.nn as nn
 
 __all__ = [
+    "TRANSPOSED_EXPERTS",
     "FusedExperts",
     "expert_weight_quantizers",
     "fused_expert_containers",
     "fused_expert_reference",
     "is_fused_projection",
+    "is_transposed_experts",
     "quantizer_glob",
     "quantizer_owner",
     "unsupported_fused_experts",
@@ -44,16 +50,21 @@ _FUSED_QUANTIZER = re.compile(
 # "<container>.experts.<i>.<projection>": an exported expert linear
 _EXPORTED_EXPERT = re.compile(r"^(?P<container>.+\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$")
 # fused containers with a transposed layout and wrappers of modelopt's own, which this plugin does not format
-_OTHER_LAYOUTS = ("GptOssExperts", "Llama4TextExperts")
+_OTHER_LAYOUTS = ("Llama4TextExperts",)
+# transposed containers ([E, in, out]) with one weight quantizer per projection for every expert (modelopt's
+# ``_QuantGptOssExperts``), which this plugin formats
+TRANSPOSED_EXPERTS = ("GptOssExperts",)
 
 
 @dataclass(frozen=True)
 class FusedExperts:
-    """One fused expert container: its module name, expert count and fused projections (in forward order)."""
+    """One fused expert container: its module name, expert count, fused projections (in forward order) and whether
+    its weights are stored transposed (``[E, in, out]``, gpt-oss)."""
 
     name: str
     num_experts: int
     projections: tuple[str, ...]
+    transposed: bool = False
 
     @property
     def gated(self) -> bool:
@@ -61,6 +72,12 @@ class FusedExperts:
 
     def projection_names(self) -> list[str]:
         return [f"{self.name}.{p}" for p in self.projections]
+
+
+def is_transposed_experts(module: nn.Module) -> bool:
+    """Whether ``module`` is a transposed expert container (gpt-oss's), before or after modelopt wraps it (its
+    wrapper subclasses the model's class)."""
+    return any(c.__name__ in TRANSPOSED_EXPERTS for c in type(module).__mro__)
 
 
 def _is_3d(module: nn.Module, attr: str) -> bool:
@@ -71,7 +88,9 @@ def _is_3d(module: nn.Module, attr: str) -> bool:
 def _standard_layout(module: nn.Module) -> tuple[str, ...] | None:
     """The fused projections of a container in the layout modelopt's generic fused-expert wrappers take (the
     structure they recognise: ``num_experts``, a 3-D ``down_proj`` and a 3-D ``gate_up_proj``, or a 3-D ``up_proj``
-    without a gate), else None."""
+    without a gate) or gpt-oss's transposed one, else None."""
+    if is_transposed_experts(module):
+        return ("gate_up_proj", "down_proj")
     if type(module).__name__ in _OTHER_LAYOUTS or not hasattr(module, "num_experts") or not _is_3d(module, "down_proj"):
         return None
     if _is_3d(module, "gate_up_proj"):
@@ -87,7 +106,8 @@ def fused_expert_containers(model: nn.Module) -> dict[str, FusedExperts]:
     for name, module in model.named_modules():
         projections = _standard_layout(module)
         if projections is not None and name.endswith("experts"):
-            found[name] = FusedExperts(name, int(module.num_experts), projections)
+            transposed = is_transposed_experts(module)
+            found[name] = FusedExperts(name, int(module.num_experts), projections, transposed)
     return found
 
 
@@ -112,9 +132,10 @@ def is_fused_projection(name: str) -> bool:
 
 def quantizer_glob(module: str, kind: str) -> str:
     """The modelopt quantizer name(s) of ``module``'s ``kind`` ("weight" or "input") quantizer: a linear layer's
-    one, a fused projection's per-expert weight quantizers (a glob) or its shared input quantizer."""
+    one, a fused projection's weight quantizers (a glob: one per expert, or gpt-oss's one for every expert) or its
+    shared input quantizer."""
     if is_fused_projection(module):
-        return f"{module}_weight_quantizers.*" if kind == "weight" else f"{module}_input_quantizer"
+        return f"{module}_weight_quantizer*" if kind == "weight" else f"{module}_input_quantizer"
     return f"{module}.{kind}_quantizer"
 
 
@@ -161,11 +182,20 @@ def expert_weight_quantizers(model: nn.Module) -> Iterator[tuple[str, torch.Tens
     weight quantizer, the projection's input quantizer)``, named like the exported expert linear
     (``<container>.<i>.gate_up_proj``), so a finding about it names the expert."""
     for name, module in model.named_modules():
+        transposed = is_transposed_experts(module)
         for proj in ("gate_up_proj", "up_proj", "down_proj"):
             quantizers = getattr(module, f"{proj}_weight_quantizers", None)
-            weight = getattr(module, proj, None)
-            if not isinstance(quantizers, nn.ModuleList) or not isinstance(weight, torch.Tensor):
+            shared = getattr(module, f"{proj}_weight_quantizer", None)
+            weight = getattr(module, proj, None)  # gpt-oss's wrapper hands out the stored weight outside its forward
+            if not isinstance(weight, torch.Tensor):
                 continue
-            for i, q in enumerate(quantizers):
+            if isinstance(quantizers, nn.ModuleList):
+                per_expert = list(enumerate(quantizers))
+            elif transposed and shared is not None:
+                per_expert = [(i, shared) for i in range(weight.shape[0])]  # one quantizer, each expert's [out, in]
+            else:
+                continue
+            for i, q in per_expert:
                 if getattr(q, "is_enabled", False):
-                    yield f"{name}.{i}.{proj}", weight[i], q, getattr(module, f"{proj}_input_quantizer", None)
+                    w = weight[i].transpose(0, 1) if transposed else weight[i]
+                    yield f"{name}.{i}.{proj}", w, q, getattr(module, f"{proj}_input_quantizer", None)

@@ -283,6 +283,18 @@ POLICY_PRESETS: dict[str, dict[str, Any]] = {
         "default": "nvfp4",
         "runtime": "vllm",
     },
+    # gpt-oss as OpenAI ships it and NVIDIA's QAT recipe trains it (modelopt's MXFP4_MLP_WEIGHT_ONLY_CFG): the routed
+    # experts' weights in MXFP4 (16-bit activations), everything else 16-bit; exported in gpt-oss's own MXFP4 layout
+    # (export/gpt_oss_mxfp4.py), which vLLM, SGLang and TensorRT-LLM serve.
+    "gpt_oss_mxfp4": {
+        "rules": [
+            *(_ROUTER, _EMBED_OUT_NORM, *_mixer_rules(None)),
+            dict(patterns=list(SHARED_EXPERT_PATTERNS), weight=None, group="shared_experts", optional=True),
+            dict(patterns=list(EXPERT_PATTERNS), weight="mxfp4", input=None, group="experts", optional=True),
+        ],
+        "default": None,
+        "runtime": "vllm",
+    },
 }
 # preset names kept for existing configs -> the name to use
 _OLD_NAMES = {"trtllm_mixed": "default"}

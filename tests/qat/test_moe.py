@@ -42,9 +42,10 @@ def test_every_preset_files_routers_experts_and_shared_experts_as_groups_of_thei
     layer = "model.layers.1."
     assert rows[layer + ROUTER[kind]] == ("router", "bf16", "bf16")
     group, weight, _ = rows[layer + EXPERT[kind]]
-    assert group == "experts" and weight == "nvfp4"
+    assert group == "experts" and weight == ("mxfp4" if preset == "gpt_oss_mxfp4" else "nvfp4")
     if kind == "qwen2":  # the shared expert and its gate
-        shared = "fp8" if preset == "nemotron3_super" else "nvfp4"  # Nemotron 3 Super's recipe: FP8 shared experts
+        # Nemotron 3 Super's recipe: FP8 shared experts; gpt-oss's: only the routed experts quantized
+        shared = {"nemotron3_super": "fp8", "gpt_oss_mxfp4": "bf16"}.get(preset, "nvfp4")
         assert rows[layer + "mlp.shared_expert.up_proj"][:2] == ("shared_experts", shared)
         assert rows[layer + "mlp.shared_expert_gate"] == ("router", "bf16", "bf16")
     quantized_groups = {g for g, w, _ in rows.values() if w != "bf16"}
@@ -95,25 +96,25 @@ def test_experts_of_one_layer_in_different_formats_are_refused_naming_the_layer(
 
 
 def test_fused_expert_containers_are_refused_unless_a_rule_keeps_them_in_16_bits():
-    """gpt-oss holds each layer's experts as one transposed 3-D weight per projection (``GptOssExperts``), a layout
-    the policies do not format, so a run would train them in 16 bits under a table that says FP4. Refused by name,
-    unless a rule keeps them."""
-    from transformers import GptOssConfig, GptOssForCausalLM
+    """Llama-4 holds each layer's experts as one transposed 3-D weight per projection (``Llama4TextExperts``), a
+    layout the policies do not format, so a run would train them in 16 bits under a table that says FP4. Refused by
+    name, unless a rule keeps them."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
 
-    cfg = GptOssConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=16, intermediate_size=32, num_local_experts=4,
-                       num_experts_per_tok=2, layer_types=["full_attention"] * 2,
-                       tie_word_embeddings=False)  # fmt: skip
-    model = GptOssForCausalLM(cfg)
+    cfg = Llama4TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, intermediate_size_mlp=64,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=1,
+                           tie_word_embeddings=False)  # fmt: skip
+    model = Llama4ForCausalLM(cfg)
     for preset in ("default", "aggressive_mlp"):
-        refusal = r"model.layers.0.mlp.experts \(GptOssExperts: gate_up_proj \[4, 64, 64\].*\) holds its experts fused "
-        with pytest.raises(ConfigError, match=refusal + r"in a layout .*silently train in 16 bits"):
+        refusal = r"model.layers.0.feed_forward.experts \(Llama4TextExperts: gate_up_proj \[4, 64, 64\].*\) holds "
+        with pytest.raises(ConfigError, match=refusal + r"its experts fused in a layout .*silently train in 16 bits"):
             LayerPolicy.resolve_spec(preset).resolve(model)
-    kept = LayerPolicy(rules=[FULL, {"patterns": ["*.mlp.experts"], "weight": None, "group": "experts"},
+    kept = LayerPolicy(rules=[FULL, {"patterns": ["*.feed_forward.experts"], "weight": None, "group": "experts"},
                               {"patterns": ["*self_attn.*"], "weight": "nvfp4", "group": "attention"}])  # fmt: skip
     rows = _rows(kept, model)
     assert rows["model.layers.0.self_attn.q_proj"] == ("attention", "nvfp4", "nvfp4")
-    assert not [m for m, (_g, w, i) in rows.items() if ".mlp." in m and (w, i) != ("bf16", "bf16")]
+    assert not [m for m, (_g, w, i) in rows.items() if ".experts" in m and (w, i) != ("bf16", "bf16")]
 
 
 def test_expert_names_split_for_hugging_face_and_megatron_core():
