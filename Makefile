@@ -60,22 +60,24 @@ lint: $(CORE)/.stamp
 	$(CORE)/bin/ruff check nemo_fp4qat tests benchmarks examples && $(CORE)/bin/ruff format --check nemo_fp4qat tests benchmarks examples
 
 test-core: $(CORE)/.stamp
-	$(CORE)/bin/python -m pytest -q -m "not nemo and not bridge and not slow_core" tests
+	$(CORE)/bin/python -m pytest -q -m "not nemo and not bridge and not slow_core" \
+		$(if $(PYTEST_TMP),--basetemp=$(CURDIR)/.pytest-tmp/core) tests
 
 # Every core test: make test's subset plus the mixture-of-experts demo on the upcycled SmolLM2 (about 5 minutes).
 test-core-all: $(CORE)/.stamp
 	$(CORE)/bin/python -m pytest -q -m "not nemo and not bridge" tests
 
-# The nemo environment reruns what its modelopt (0.37) changes: quantizers, calibration, QAT, export, and the NeMo
-# tests (marker `nemo`, which must run there). Tests marked `core_only` run in core only (each says why beside the
-# marker: the demo, serving and evaluation read through the plugin's own code; plain-torch rank tests; triton).
+# The nemo environment runs the NeMo tests (marker `nemo`, which must run there) and reruns the tests marked
+# `twice`, each with its reason: what modelopt 0.37, transformers 4.57 or megatron-core changes for it (quantizers,
+# calibration, QAT, export). `core_only` leaves one test of such a module to the core environment.
+NEMO_TESTS := (nemo or twice) and not core_only and not bridge
 test-nemo: $(NEMO)/.stamp
-	NEMO_FP4QAT_REQUIRE_NEMO=1 $(NEMO)/bin/python -m pytest -q -m "not core_only and not bridge and not slow_nemo" \
+	NEMO_FP4QAT_REQUIRE_NEMO=1 $(NEMO)/bin/python -m pytest -q -m "$(NEMO_TESTS) and not slow_nemo" \
 		$(if $(PYTEST_TMP),--basetemp=$(CURDIR)/.pytest-tmp/nemo) tests
 
 # Every NeMo test: make test's subset plus QAD and export under pipeline parallelism, TP x PP and the kill/resume test.
 test-nemo-all: $(NEMO)/.stamp
-	NEMO_FP4QAT_REQUIRE_NEMO=1 $(NEMO)/bin/python -m pytest -q -m "not core_only and not bridge" tests
+	NEMO_FP4QAT_REQUIRE_NEMO=1 $(NEMO)/bin/python -m pytest -q -m "$(NEMO_TESTS)" tests
 
 # Megatron-Bridge (marker `bridge`): the representative subset here; `make test-bridge-all` runs every Bridge test.
 test-bridge: $(BRIDGE)/.stamp
@@ -112,15 +114,14 @@ test-engines: $(CORE)/.stamp $(ENGINES)/.stamp $(SGLANG)/.stamp
 	NEMO_FP4QAT_ENGINES_PYTHON=$(CURDIR)/$(ENGINES)/bin/python NEMO_FP4QAT_SGLANG_PYTHON=$(CURDIR)/$(SGLANG)/bin/python \
 		$(CORE)/bin/python -m pytest -q -m engines tests
 
-# The three environments build side by side; the core suite runs alone (it uses both cores), then the nemo and
-# Bridge suites side by side (Bridge's spends most of its time importing Megatron-Bridge in one process per test),
-# each with a temporary folder of its own and its output kept together.
+# The three suites run side by side, each as soon as its environment is built (the environments build side by side
+# too): no suite keeps both cores busy alone (the core suite about 1.4 of them, the nemo and Bridge suites wait on
+# process start-ups and collectives), so together they keep the machine full. Each has a temporary folder of its own
+# and its output is kept together.
 test:
 	$(MAKE) $(UV)
-	$(MAKE) -j3 env
-	$(MAKE) lint test-core
 	mkdir -p .pytest-tmp
-	$(MAKE) -j2 --output-sync=target test-nemo test-bridge PYTEST_TMP=1
+	$(MAKE) -j4 --output-sync=target lint test-core test-nemo test-bridge PYTEST_TMP=1
 
 # Benchmark-only peers (torchao) live in their own folder, on PYTHONPATH for the accuracy bench only:
 # the package, its tests and transformers (which imports torchao when present) never see them.

@@ -1,6 +1,7 @@
 """Test-session rules.
 
-With ``NEMO_FP4QAT_REQUIRE_NEMO=1`` (set by ``make test`` for the ``nemo`` environment) the session
+A test marked ``twice`` also runs in the ``nemo`` environment and must say why (the marker's reason); collection
+fails otherwise. With ``NEMO_FP4QAT_REQUIRE_NEMO=1`` (set by ``make test`` for the ``nemo`` environment) the session
 fails if no ``@pytest.mark.nemo`` test was collected or any of them was skipped: the NeMo stack
 must really be exercised there, not silently skipped. ``NEMO_FP4QAT_REQUIRE_BRIDGE=1`` does the same for
 ``@pytest.mark.bridge`` in the ``bridge`` environment.
@@ -32,6 +33,10 @@ _seen = {m: {"collected": 0, "skipped": [], "passed": 0} for m in _REQUIRED}
 def pytest_collection_modifyitems(config, items):
     for marker, seen in _seen.items():
         seen["collected"] = sum(1 for it in items if it.get_closest_marker(marker))
+    unexplained = sorted({it.nodeid.split("::")[0] for it in items if (m := it.get_closest_marker("twice")) is not None
+                          and not (m.args and isinstance(m.args[0], str) and m.args[0].strip())})  # fmt: skip
+    if unexplained:
+        raise pytest.UsageError(f"@pytest.mark.twice needs its reason (what the nemo env changes): {unexplained}")
 
 
 def pytest_runtest_logreport(report):

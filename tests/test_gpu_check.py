@@ -8,12 +8,9 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from paths import ROOT
 
 # core environment only: the exact CUDA kernel's interpreter runs need triton, installed in the core environment
-pytestmark = pytest.mark.core_only
 
 
 def test_gpu_check_runs_end_to_end_on_the_cpu_and_renders(tmp_path):

@@ -80,10 +80,25 @@ def smollm2_hf_dir() -> Path:
         tmp = Path(tempfile.mkdtemp(dir=cache.parent, prefix=".convert-"))
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        if cache.exists():
-            shutil.rmtree(cache)
-        os.replace(tmp, cache)  # a half-written conversion never looks complete
+        _publish(tmp, cache)
     return cache
+
+
+def _publish(tmp: Path, cache: Path) -> None:
+    """Move a finished conversion into place: a half-written one never looks complete, and where another process
+    (another test environment's suite) published one meanwhile, it is kept and this one dropped, so no reader ever
+    sees the folder replaced under it."""
+    if (cache / "config.json").exists():
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    if cache.exists():
+        shutil.rmtree(cache)  # a leftover without its config: never complete
+    try:
+        os.replace(tmp, cache)
+    except OSError:  # another process published between the check and the move
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (cache / "config.json").exists():
+            raise
 
 
 def load_smollm2(dtype: Any = None) -> tuple[Any, Any]:

@@ -11,7 +11,6 @@ import sys
 import pytest
 
 # core environment only: `make demo`'s pipeline runs in the core environment only
-pytestmark = pytest.mark.core_only
 
 
 @pytest.mark.slow

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 # core environment only: the demo's pipeline and serving run in the core environment only
-pytestmark = pytest.mark.core_only
 
 
 def _expert_weights(layer) -> list[torch.Tensor]:

@@ -10,7 +10,6 @@ from nemo_fp4qat.eval.evaluation import _has_kv_cache, _logits, choice_log_likel
 from nemo_fp4qat.eval.tasks import next_sentence_tasks, split_sentences
 
 # core environment only: evaluation reads models through the plugin's own code, tested once
-pytestmark = pytest.mark.core_only
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ from nemo_fp4qat.eval.evaluation import multiple_choice_accuracy, perplexity, qu
 from nemo_fp4qat.eval.gate import QualityGate, recovery, write_report
 
 # core environment only: evaluation reads models through the plugin's own code, tested once
-pytestmark = pytest.mark.core_only
 
 
 class Bigram(nn.Module):

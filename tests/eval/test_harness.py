@@ -11,8 +11,6 @@ from nemo_fp4qat.eval.evaluation import choice_log_likelihoods, load_mc_tasks
 from nemo_fp4qat.eval.gate import QualityGate
 from nemo_fp4qat.eval.harness import LOCAL_TASKS, document_scores, run_lm_eval, write_local_tasks
 
-pytestmark = pytest.mark.core_only  # lm-eval is installed in the core environment
-
 
 @pytest.fixture(scope="module")
 def smollm2():

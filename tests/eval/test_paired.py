@@ -12,7 +12,6 @@ import pytest
 from nemo_fp4qat.eval.paired import paired_difference, paired_perplexity_gap
 
 # core environment only: evaluation reads models through the plugin's own code, tested once
-pytestmark = pytest.mark.core_only
 
 
 def _mcnemar_exact(only_a: int, only_b: int) -> float:

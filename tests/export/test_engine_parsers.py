@@ -24,7 +24,7 @@ from nemo_fp4qat.export.runtime_support import SGLANG_QUANT_ALGOS, TRTLLM_QUANT_
 from paths import WORKERS
 from tiny_models import VOCAB, calibrated_tiny_llama, tiny_moe
 
-pytestmark = [pytest.mark.engines, pytest.mark.core_only]  # core_only: the export is written in the core env
+pytestmark = pytest.mark.engines  # the export is written in the core environment
 ENGINES_PYTHON = os.environ.get("NEMO_FP4QAT_ENGINES_PYTHON")
 SGLANG_PYTHON = os.environ.get("NEMO_FP4QAT_SGLANG_PYTHON")
 

@@ -32,6 +32,8 @@ from nemo_fp4qat.qat.w4a8_scaling import is_w4a8
 from reference_numerics import nvfp4_ref
 from tiny_models import FULL, VOCAB, calibrated_tiny_llama, tiny_llama
 
+pytestmark = pytest.mark.twice("modelopt 0.37's exporters write what NeMo's export path deploys")
+
 W4A8_EXPORTER = pytest.mark.skipif(not uses_list_config(), reason="modelopt 0.37's W4A8 export is refused up front")
 W4A16_NVFP4 = LayerPolicy(rules=[FULL, {"patterns": ["*_proj"], "weight": "nvfp4", "input": None}], default=None)
 EXPECTED_ALGO = {"nvfp4": "NVFP4", "fp8": "FP8", "int8_sq": "W8A8_SQ_PER_CHANNEL", "int8_wo": "W8A16",

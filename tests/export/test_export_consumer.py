@@ -13,6 +13,8 @@ from nemo_fp4qat.export import ExportConfig, export_checkpoint, to_compressed_te
 
 from tiny_models import VOCAB, calibrated_tiny_llama
 
+pytestmark = pytest.mark.twice("modelopt 0.37's exporters write what NeMo's export path deploys")
+
 pytest.importorskip("compressed_tensors")
 
 

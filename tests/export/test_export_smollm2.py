@@ -27,6 +27,8 @@ from nemo_fp4qat.export.runtime_support import quantized_layers
 from nemo_fp4qat.qat.modelopt_compat import uses_list_config
 from nemo_fp4qat.qat.policy import POLICY_PRESETS, TRTLLM_PRESETS
 
+pytestmark = pytest.mark.twice("modelopt 0.37's exporters write what NeMo's export path deploys")
+
 # One entry per distinct preset (aliases such as trtllm_mixed == default are the same spec object).
 PRESETS = list({id(POLICY_PRESETS[n]): n for n in reversed(TRTLLM_PRESETS)}.values())[::-1]
 # Under modelopt 0.37 (the nemo env, whose NeMo path exports TensorRT-LLM checkpoints) the per-preset unified HF

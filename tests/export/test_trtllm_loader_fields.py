@@ -27,6 +27,8 @@ from nemo_fp4qat.export import ExportConfig, export_checkpoint
 
 from tiny_models import calibrated_tiny_llama
 
+pytestmark = pytest.mark.twice("modelopt 0.37's exporters write what NeMo's export path deploys")
+
 QUANT_CONFIG_FIELDS = {
     "quant_algo", "kv_cache_quant_algo", "group_size", "smoothquant_val", "clamp_val", "use_meta_recipe",
     "has_zero_point", "pre_quant_scale", "exclude_modules", "mamba_ssm_cache_dtype",

@@ -12,7 +12,6 @@ from megatron_utils import free_port
 from paths import WORKERS, worker_env
 
 # core environment only: plain-torch ranks; under modelopt 0.37 the sync is tested by the NeMo two-process runs
-pytestmark = pytest.mark.core_only
 
 
 @pytest.mark.slow

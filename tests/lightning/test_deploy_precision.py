@@ -16,6 +16,8 @@ from nemo_fp4qat.qat.deploy_precision import DeployPrecision
 
 from tiny_models import VOCAB, LitLM, loader, tiny_llama
 
+pytestmark = pytest.mark.twice("the Lightning front end over modelopt 0.37's quantizers and transformers 4.57's models")
+
 
 class _SeenNorm(pl.Callback):
     """What the final norm's forward reads as its weight during a training step."""

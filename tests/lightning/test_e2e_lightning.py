@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import pytest
 import torch
 
 from nemo_fp4qat import FP4QATCallback
 
 from tiny_models import LitLM, loader, tiny_llama
+
+pytestmark = pytest.mark.twice("the Lightning front end over modelopt 0.37's quantizers and transformers 4.57's models")
 
 
 def _trainer(cb, steps, **kw):

@@ -24,7 +24,6 @@ from tiny_models import LitLM, loader
 
 pytestmark = [
     # modelopt 0.47's fused-expert wrappers (the core environment); transformers 4 holds experts as linears
-    pytest.mark.core_only,
     pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5, reason="fused experts: transformers 5"),
 ]
 

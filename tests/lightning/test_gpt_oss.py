@@ -23,7 +23,6 @@ from tiny_models import LitLM, loader
 
 pytestmark = [
     # modelopt 0.47's gpt-oss wrapper and transformers 5's MXFP4 loader (the core environment)
-    pytest.mark.core_only,
     pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5, reason="its MXFP4 loader: transformers 5"),
 ]
 EXPERTS = [f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1) for p in ("gate_up_proj", "down_proj")]

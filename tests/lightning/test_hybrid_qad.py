@@ -16,6 +16,8 @@ from nemo_fp4qat.qat.fused_experts import is_fused_projection
 
 from tiny_models import LitLM, loader
 
+pytestmark = pytest.mark.twice("the Lightning front end over modelopt 0.37's quantizers and transformers 4.57's models")
+
 # attention beside the mixers
 FAMILIES = [
     "Bamba",

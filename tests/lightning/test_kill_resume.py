@@ -7,7 +7,6 @@ import pytest
 from kill_resume import reference, scenario
 
 # core environment only: the Lightning kill/resume subset; make reliability runs every point on both paths
-pytestmark = pytest.mark.core_only
 
 SUBSET = ["calib:2", "ckpt:5", "export_manifest:1", "random:0"]
 

@@ -18,7 +18,10 @@ from nemo_fp4qat.qat.scale_levers import learned_scale_parameters
 
 from tiny_models import LitLM, loader, tiny_llama
 
-pytestmark = pytest.mark.skipif(not uses_list_config(), reason="LSQ needs modelopt >= 0.46")
+pytestmark = [
+    pytest.mark.twice("the Lightning front end over modelopt 0.37's quantizers and transformers 4.57's models"),
+    pytest.mark.skipif(not uses_list_config(), reason="LSQ needs modelopt >= 0.46"),
+]
 
 
 def _trainer(callbacks, steps, tmp_path=None):

@@ -11,6 +11,8 @@ from nemo_fp4qat import FP4QATCallback, QuantizationMonitor
 
 from tiny_models import LitLM, loader, per_expert_linears, tiny_moe
 
+pytestmark = pytest.mark.twice("the Lightning front end over modelopt 0.37's quantizers and transformers 4.57's models")
+
 
 class RoutedTokens(pl.Callback):
     """Counts the tokens each router of the model sees from the start of training (after calibration)."""

@@ -17,6 +17,8 @@ from nemo_fp4qat.qat.moe import expert_projections
 
 from tiny_models import LitLM, loader, per_expert_linears, tiny_moe
 
+pytestmark = pytest.mark.twice("the Lightning front end over modelopt 0.37's quantizers and transformers 4.57's models")
+
 SCHED = {"stages": [{"start": 0, "format": "fp8"}, {"start": 4, "format": "target"}]}
 
 

@@ -17,6 +17,8 @@ from nemo_fp4qat.numerics.metrics import quantization_error, weight_statistics
 from reference_numerics import mx_ref, nvfp4_ref
 from tiny_models import LitLM, MegatronStyleGPT, loader
 
+pytestmark = pytest.mark.twice("the Lightning front end over modelopt 0.37's quantizers and transformers 4.57's models")
+
 mtq = pytest.importorskip("modelopt.torch.quantization")
 LAYER = "net.decoder.layers.0.mlp.linear_fc1"
 

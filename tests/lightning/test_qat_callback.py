@@ -16,6 +16,8 @@ from paths import CONF
 from reference_numerics import nvfp4_ref, round_ref
 from tiny_models import LitLM, MegatronStyleGPT, loader, tiny_llama
 
+pytestmark = pytest.mark.twice("the Lightning front end over modelopt 0.37's quantizers and transformers 4.57's models")
+
 SCHED = {
     "stages": [
         {"start": 0, "format": "bf16"},

@@ -14,6 +14,8 @@ from nemo_fp4qat.numerics import cpu_backend
 from nemo_fp4qat.numerics.fake_quant import fake_quant_mx, fake_quant_nvfp4
 from nemo_fp4qat.qat.modelopt_compat import modelopt_version
 
+pytestmark = pytest.mark.twice("the CPU backend installs over modelopt 0.37's quantizer functions (not 0.47's)")
+
 mtq = pytest.importorskip("modelopt.torch.quantization")
 
 

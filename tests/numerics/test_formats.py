@@ -14,6 +14,8 @@ import torch.nn as nn
 from nemo_fp4qat.numerics.formats import FORMATS, FULL_PRECISION, format_of_quantizer, list_formats
 from nemo_fp4qat.qat.modelopt_compat import build_quant_cfg
 
+pytestmark = pytest.mark.twice("the CPU backend installs over modelopt 0.37's quantizer functions (not 0.47's)")
+
 EXPECTED_WEIGHT_FORMAT = {
     "nvfp4": "nvfp4", "mxfp4": "mxfp4", "mxfp6_e2m3": "mxfp6_e2m3", "mxfp6_e3m2": "mxfp6_e3m2",
     "mxfp8": "mxfp8", "fp8": "fp8", "int8_sq": "int8_sq", "int8_wo": "int8_sq", "int4_awq": "int4_awq",

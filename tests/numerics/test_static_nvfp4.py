@@ -12,6 +12,8 @@ import torch
 
 from nemo_fp4qat.numerics.static_nvfp4 import fp4_cast, static_nvfp4_fake_quant
 
+pytestmark = pytest.mark.twice("the CPU backend installs over modelopt 0.37's quantizer functions (not 0.47's)")
+
 tq = pytest.importorskip("modelopt.torch.quantization.tensor_quant")
 if not hasattr(tq, "StaticBlockwiseFP4FakeQuantFunction"):
     pytest.skip("modelopt < 0.46 has no static NVFP4 / LSQ", allow_module_level=True)

@@ -17,7 +17,6 @@ from nemo_fp4qat.numerics import weight_reuse as wr
 from tiny_models import LitLM, loader, tiny_llama
 
 # the nemo environment trains every NeMo test with reuse on (its callbacks start it); the mechanism is tested here
-pytestmark = pytest.mark.core_only
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -16,6 +17,8 @@ from nemo_fp4qat.qat.fused_siblings import find_fused_siblings
 
 from paths import ROOT
 from tiny_models import VOCAB, tiny_llama
+
+pytestmark = pytest.mark.twice("policies become modelopt 0.37's quantizer configs (its dict form) and its calibration")
 
 
 def _benchmark_module(name: str):

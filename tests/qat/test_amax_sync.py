@@ -12,7 +12,6 @@ import torch.nn as nn
 from two_ranks import run_two_ranks
 
 # core environment only: plain-torch ranks; under modelopt 0.37 the sync is tested by the NeMo two-process runs
-pytestmark = pytest.mark.core_only
 
 
 def _model(rank: int, mismatch: bool) -> nn.Module:

@@ -11,6 +11,8 @@ from nemo_fp4qat.specs import ConfigError
 
 from tiny_models import VOCAB, tiny_llama, tiny_moe
 
+pytestmark = pytest.mark.twice("policies become modelopt 0.37's quantizer configs (its dict form) and its calibration")
+
 
 def _cost() -> dict[tuple[str, str], float]:
     """modelopt's effective bits per weight of each format: NVFP4 counts its block scales from 0.4x on."""

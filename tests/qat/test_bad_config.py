@@ -14,6 +14,8 @@ from nemo_fp4qat.specs import ConfigError
 
 from tiny_models import tiny_llama
 
+pytestmark = pytest.mark.twice("policies become modelopt 0.37's quantizer configs (its dict form) and its calibration")
+
 PROGRESSIVE_TYPO = {"stages": [{"start": 0, "format": "fp8"}, {"start": 2, "format": "target"}],
                     "group_offsets": {"atention": 1}}  # fmt: skip
 

@@ -24,6 +24,8 @@ from nemo_fp4qat.qat.calibration import CalibrationConfig
 from reference_numerics import minifloat_values, round_ref
 from tiny_models import VOCAB, tiny_llama
 
+pytestmark = pytest.mark.twice("policies become modelopt 0.37's quantizer configs (its dict form) and its calibration")
+
 E4M3 = minifloat_values(4, 3)
 
 

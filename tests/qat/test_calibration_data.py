@@ -19,6 +19,8 @@ from nemo_fp4qat.qat.calibration import (
     run_calibration,
 )
 
+pytestmark = pytest.mark.twice("policies become modelopt 0.37's quantizer configs (its dict form) and its calibration")
+
 
 def _counting(batches):
     """The batches as a generator that records how many were pulled."""

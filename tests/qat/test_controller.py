@@ -15,6 +15,8 @@ from nemo_fp4qat.qat.calibration import run_calibration
 
 from tiny_models import VOCAB, tiny_llama
 
+pytestmark = pytest.mark.twice("policies become modelopt 0.37's quantizer configs (its dict form) and its calibration")
+
 # progressive: FP8, then MXFP6, then NVFP4 (the policies keep attention at FP8 throughout)
 PROGRESSIVE = {"stages": [{"start": 0, "format": "fp8"}, {"start": 2, "format": "mxfp6"},
                           {"start": 4, "format": "nvfp4"}]}  # fmt: skip

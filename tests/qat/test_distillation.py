@@ -14,6 +14,8 @@ from nemo_fp4qat.qat.distillation import Distiller, kd_loss, kd_per_token
 
 from tiny_models import LitLM, MegatronStyleGPT, PatternTokens, loader
 
+pytestmark = pytest.mark.twice("policies become modelopt 0.37's quantizer configs (its dict form) and its calibration")
+
 
 def _fit(cb, steps=12, lr=3e-3):
     lit = LitLM(MegatronStyleGPT(seed=7), lr=lr)

@@ -17,6 +17,8 @@ from nemo_fp4qat.specs import ConfigError
 
 from tiny_models import VOCAB, tiny_llama
 
+pytestmark = pytest.mark.twice("policies become modelopt 0.37's quantizer configs (its dict form) and its calibration")
+
 
 def _has_gptq() -> bool:
     try:

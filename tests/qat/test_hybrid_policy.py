@@ -18,6 +18,8 @@ from nemo_fp4qat.qat.fused_experts import unsupported_fused_experts
 from nemo_fp4qat.qat.policy import LINEAR_ATTENTION, POLICY_PRESETS, SSM_MIXER
 from nemo_fp4qat.specs import ConfigError
 
+pytestmark = pytest.mark.twice("policies become modelopt 0.37's quantizer configs (its dict form) and its calibration")
+
 
 def _mixers(model: torch.nn.Module) -> list[str]:
     patterns = (*SSM_MIXER, *LINEAR_ATTENTION)

@@ -9,6 +9,8 @@ import torch.nn as nn
 from nemo_fp4qat.numerics.formats import get_format
 from nemo_fp4qat.qat.modelopt_compat import apply_quant_cfg, build_quant_cfg, modelopt_version, uses_list_config
 
+pytestmark = pytest.mark.twice("policies become modelopt 0.37's quantizer configs (its dict form) and its calibration")
+
 mtq = pytest.importorskip("modelopt.torch.quantization")
 
 

@@ -17,6 +17,8 @@ from nemo_fp4qat.specs import ConfigError
 
 from tiny_models import FULL, VOCAB, per_expert_linears, tiny_moe
 
+pytestmark = pytest.mark.twice("policies become modelopt 0.37's quantizer configs (its dict form) and its calibration")
+
 KINDS = ["qwen3", "mixtral", "qwen2"]
 FUSED = {"gate_proj": ("gate_proj", "up_proj"), "up_proj": ("gate_proj", "up_proj"), "w1": ("w1", "w3"),
          "w3": ("w1", "w3")}  # fmt: skip

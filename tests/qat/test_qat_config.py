@@ -10,6 +10,8 @@ import pytest
 from nemo_fp4qat import FP4QATCallback, QATConfig, QATController
 from nemo_fp4qat.nemo.recipes import with_fp4_qat
 
+pytestmark = pytest.mark.twice("policies become modelopt 0.37's quantizer configs (its dict form) and its calibration")
+
 FIELDS = [f.name for f in dataclasses.fields(QATConfig)]
 
 

@@ -12,6 +12,8 @@ from nemo_fp4qat.qat.modelopt_compat import uses_list_config
 from nemo_fp4qat.qat.scale_levers import LearnedScalesConfig, lever_algorithm, make_weights_static
 from nemo_fp4qat.specs import ConfigError
 
+pytestmark = pytest.mark.twice("policies become modelopt 0.37's quantizer configs (its dict form) and its calibration")
+
 needs_047 = pytest.mark.skipif(not uses_list_config(), reason="the levers need modelopt >= 0.46")
 
 

@@ -10,6 +10,8 @@ from nemo_fp4qat.qat.schedule import effective_format
 
 from paths import CONF
 
+pytestmark = pytest.mark.twice("policies become modelopt 0.37's quantizer configs (its dict form) and its calibration")
+
 
 def _s(*stages, **kw):
     return PrecisionSchedule(stages=[{"start": a, "format": f} for a, f in stages], **kw)

@@ -20,6 +20,8 @@ from nemo_fp4qat.qat.smoothing import SmoothingConfig, find_smoothing_sites, smo
 
 from tiny_models import VOCAB, tiny_llama
 
+pytestmark = pytest.mark.twice("policies become modelopt 0.37's quantizer configs (its dict form) and its calibration")
+
 
 def FWD(m: nn.Module, b: torch.Tensor):
     return m(b)

@@ -3,9 +3,12 @@ equals the exporter's ``(A / 6) / 448`` bit for bit (float32, as modelopt comput
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from nemo_fp4qat.qat.w4a8_scaling import training_amax
+
+pytestmark = pytest.mark.twice("policies become modelopt 0.37's quantizer configs (its dict form) and its calibration")
 
 
 def test_training_amax_makes_both_per_tensor_scales_equal_within_two_ulps():

@@ -27,7 +27,6 @@ from nemo_fp4qat.serve.refusals import (
 
 # core environment only: serving reads exports through the plugin's own code, tested once (0.37's exports
 # are validated and evaluated as deployed in tests/export)
-pytestmark = pytest.mark.core_only
 
 LIMITS = ServeSettings(max_batch_size=4, max_tokens=8, max_prompt_tokens=5)
 

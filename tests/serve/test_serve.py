@@ -21,7 +21,6 @@ from tiny_models import VOCAB, calibrated_tiny_llama
 
 # core environment only: serving reads exports through the plugin's own code, tested once (0.37's exports
 # are validated and evaluated as deployed in tests/export)
-pytestmark = pytest.mark.core_only
 
 KEY = "s3cret-token"
 

@@ -19,7 +19,6 @@ from serving import char_tokenizer, running_server
 
 # core environment only: serving reads exports through the plugin's own code, tested once (0.37's exports
 # are validated and evaluated as deployed in tests/export)
-pytestmark = pytest.mark.core_only
 
 BOOM = "please fail"
 

@@ -22,7 +22,6 @@ from serving import running_server
 
 # core environment only: serving reads exports through the plugin's own code, tested once (0.37's exports
 # are validated and evaluated as deployed in tests/export)
-pytestmark = pytest.mark.core_only
 
 KEY = "k-123"
 M = "export"  # the served model id: the export directory's name
