@@ -1,4 +1,5 @@
-"""The ``nemo-fp4qat`` command line: ``demo``, ``eval`` (quality gate), ``formats``, ``export``, ``validate``."""
+"""The ``nemo-fp4qat`` command line: ``demo``, ``eval`` (quality gate), ``formats``, ``models``, ``export``,
+``validate``, ``serve``."""
 
 from __future__ import annotations
 
@@ -6,7 +7,63 @@ import argparse
 import sys
 from typing import Any
 
-__all__ = ["main"]
+__all__ = ["main", "supported_models_markdown"]
+
+
+_GROUP_NAMES = {"ssm_mixer": "Mamba mixers", "linear_attention": "linear attention", "mlp": "MLP",
+                "shared_experts": "shared experts", "other": "other linears",
+                "mixer_feeding_attention": "the mixer feeding each attention layer"}  # fmt: skip
+
+
+def _preset_formats(preset: str, groups: tuple[str, ...]) -> str:
+    """What ``preset`` gives each of ``groups`` (``attention FP8; MLP, experts NVFP4``), and its KV cache."""
+    from .qat.policy import LayerPolicy
+
+    policy = LayerPolicy.preset(preset)
+    formats: dict[str, tuple[str, str]] = {}
+    for rule in policy.rules:
+        formats.setdefault(rule.group, (rule.weight, rule.input))
+    by_label: dict[str, list[str]] = {}
+    for group in groups:
+        weight, act = formats.get(group, (policy.default, policy.default))
+        if weight == "bf16":
+            label = "16-bit"
+        elif act in (weight, None):
+            label = weight.upper()
+        else:
+            label = f"{weight.upper()} weights" if act == "bf16" else f"{weight.upper()} weights, {act.upper()} inputs"
+        by_label.setdefault(label, []).append(_GROUP_NAMES.get(group, group))
+    text = "; ".join(f"{', '.join(names)} {label}" for label, names in by_label.items())
+    return text + (f"; KV cache {policy.kv_cache.upper()}" if policy.kv_cache else "")
+
+
+def supported_models_markdown() -> str:
+    """The README's supported-models table, rendered from :data:`nemo_fp4qat.architectures.FAMILIES` (the preset's
+    formats read from the preset itself)."""
+    from .architectures import FAMILIES
+
+    rows = ["| Family | Front ends | Preset: what it quantizes | Export | Read back by |", "|---|---|---|---|---|"]
+    for f in FAMILIES:
+        if f.refused:
+            rows.append(f"| {f.name} | {', '.join(f.front_ends)} | refused by name: {f.refused} | - | - |")
+            continue
+        what = f"`{f.preset}`: {_preset_formats(f.preset, f.quantizes)}"
+        readers = ", ".join(("the validator", *f.readers))
+        export = ", ".join(f.export) or "not tested yet"
+        readers = readers if f.export else "-"
+        rows.append(f"| {f.name} | {', '.join(f.front_ends)} | {what} | {export} | {readers} |")
+    return "\n".join(rows) + "\n"
+
+
+def _models(args: argparse.Namespace) -> int:
+    if args.markdown:
+        sys.stdout.write(supported_models_markdown())
+        return 0
+    from rich.console import Console
+    from rich.markdown import Markdown
+
+    Console().print(Markdown(supported_models_markdown()))
+    return 0
 
 
 def _formats(_: argparse.Namespace) -> int:
@@ -287,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(fn=_eval)
     f = sub.add_parser("formats", help="list the supported quantization formats")
     f.set_defaults(fn=_formats)
+    m = sub.add_parser("models", help="list the supported model families: front ends, preset, export, readers")
+    m.add_argument("--markdown", action="store_true", help="print the README's markdown table")
+    m.set_defaults(fn=_models)
     x = sub.add_parser(
         "export",
         help="export a QAT-trained Hugging Face model (unified HF or TRT-LLM checkpoint)",

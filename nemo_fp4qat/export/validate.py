@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from ..architectures import fused_sibling_sets
 from ..qat.moe import expert_projections
 from .atomic import file_sha256, read_manifest
 from .engine_fields import engine_field_problems, is_fused_alias, layer_entry
@@ -49,7 +50,8 @@ from .weight_check import compare_weights, model_reference, resmoothed
 __all__ = ["Problem", "ValidationReport", "load_export", "validate_export"]
 
 _EMBEDDING = re.compile(r"(embed|vocab_embedding|lm_head|output_layer)")
-_FUSED = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("fc", "gate"), ("w1", "w3")]
+# the layers that deploy fused (architectures.py), and TensorRT-LLM checkpoints' fc / gate
+_FUSED = [*fused_sibling_sets(), ("fc", "gate")]
 _SMOOTHED = ("W4A16_AWQ", "W4A8_AWQ", "W8A8_SQ_PER_CHANNEL")
 
 

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from ..architectures import expert_classes
+
 __all__ = [
     "TRANSPOSED_EXPERTS",
     "FusedExperts",
@@ -49,11 +51,11 @@ _FUSED_QUANTIZER = re.compile(
 )
 # "<container>.experts.<i>.<projection>": an exported expert linear
 _EXPORTED_EXPERT = re.compile(r"^(?P<container>.+\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$")
-# fused containers with a transposed layout and wrappers of modelopt's own, which this plugin does not format
-_OTHER_LAYOUTS = ("Llama4TextExperts",)
 # transposed containers ([E, in, out]) with one weight quantizer per projection for every expert (modelopt's
-# ``_QuantGptOssExperts``), which this plugin formats
-TRANSPOSED_EXPERTS = ("GptOssExperts",)
+# ``_QuantGptOssExperts``), which this plugin formats; those with wrappers of modelopt's own that it does not
+# (architectures.py)
+TRANSPOSED_EXPERTS = expert_classes("transposed", refused=False)
+_OTHER_LAYOUTS = expert_classes("transposed", refused=True)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..architectures import fused_sibling_sets
+
 __all__ = ["ENGINE_FUSED_NAMES", "FUSED_SIBLING_SETS", "find_fused_siblings", "share_fused_amax"]
 
 # the module the serving engines (vLLM, SGLang, TensorRT-LLM's PyTorch backend) fuse each sibling set into
@@ -19,15 +21,10 @@ ENGINE_FUSED_NAMES: dict[tuple[str, ...], str] = {
     ("q_proj", "k_proj", "v_proj"): "qkv_proj",
     ("gate_proj", "up_proj"): "gate_up_proj",
 }
-# w1/w3: Mixtral's experts; q_a_proj / kv_a_proj_with_mqa: multi-head latent attention's down projections
-# (DeepSeek-V2/V3, GLM-4 MoE Lite, Mistral 4), which read one input and deploy fused (vLLM's fused_qkv_a_proj);
-# linear_x / linear_y: RecurrentGemma's recurrent block, whose two input projections modelopt's exporter fuses
-FUSED_SIBLING_SETS: tuple[tuple[str, ...], ...] = (
-    *ENGINE_FUSED_NAMES,
-    ("w1", "w3"),
-    ("q_a_proj", "kv_a_proj_with_mqa"),
-    ("linear_x", "linear_y"),
-)
+# every family's layers that read one input and deploy fused (architectures.py): q/k/v and gate/up, Mixtral's experts'
+# w1/w3, multi-head latent attention's down projections (vLLM's fused_qkv_a_proj), RecurrentGemma's linear_x / linear_y
+# (modelopt's exporter fuses them)
+FUSED_SIBLING_SETS: tuple[tuple[str, ...], ...] = fused_sibling_sets()
 
 
 def find_fused_siblings(model: nn.Module) -> list[list[str]]:

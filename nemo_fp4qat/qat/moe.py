@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..architectures import expert_classes, module_patterns
 from ..specs import ConfigError
 from .fused_experts import unsupported_fused_experts
 from .parallel_groups import expert_parallel_group
@@ -41,15 +42,13 @@ __all__ = [
     "tie_expert_amax",
 ]
 
-# Routers (and Qwen2-MoE's shared-expert gate): the token-to-expert decision, kept in 16 bits by every policy.
-ROUTER_PATTERNS: tuple[str, ...] = (
-    "*mlp.router", "*mlp.gate", "*block_sparse_moe.gate", "*shared_expert_gate", "*feed_forward.router",
-    "*mlp.router.gate", "*mixer.gate", "*block_sparse_moe.router",
-)  # fmt: skip
-# Routed experts, one module per expert (HF ``experts.N.*``, megatron-core ``experts.local_experts.N.*``).
-EXPERT_PATTERNS: tuple[str, ...] = ("*.experts.*",)
-# Shared experts (every token goes through them: a dense MLP beside the routed experts).
-SHARED_EXPERT_PATTERNS: tuple[str, ...] = ("*shared_expert.*", "*shared_experts.*", "*shared_mlp.*")
+# Routers (and Qwen2-MoE's shared-expert gate): the token-to-expert decision, kept in 16 bits by every policy; routed
+# experts, one module per expert (HF ``experts.N.*``, megatron-core ``experts.local_experts.N.*``) or a fused
+# container's projections; shared experts (every token goes through them: a dense MLP beside the routed experts).
+# Each family's names: architectures.py.
+ROUTER_PATTERNS: tuple[str, ...] = module_patterns("router")
+EXPERT_PATTERNS: tuple[str, ...] = module_patterns("experts")
+SHARED_EXPERT_PATTERNS: tuple[str, ...] = module_patterns("shared_experts")
 
 # "<layer>.experts[.local_experts].<index>.<projection>"
 _EXPERT_NAME = re.compile(r"^(?P<layer>.+\.experts)\.(?:local_experts\.)?(?P<index>\d+)\.(?P<proj>[^.]+)$")
@@ -128,7 +127,7 @@ def refuse_fused_experts(model: nn.Module, full_precision: Any) -> None:
 # (``TEGroupedMLP`` and its ``InferenceGroupedMLP``: Transformer Engine's grouped linears, ``weight0`` ...
 # ``weight{E-1}``; megatron-core <= 0.15's ``GroupedMLP``: ``weight1`` / ``weight2`` of every expert side by side),
 # not one linear layer per expert
-GROUPED_EXPERT_CONTAINERS = ("GroupedMLP", "TEGroupedMLP", "InferenceGroupedMLP")
+GROUPED_EXPERT_CONTAINERS = expert_classes("grouped")
 
 
 def grouped_experts_error(what: str) -> ConfigError:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from ..architectures import SIXTEEN_BIT_GROUPS, module_patterns
 from ..numerics.formats import FULL_PRECISION, QuantFormat, get_format
 from ..specs import ConfigError, did_you_mean, from_fields
 from .fused_experts import fused_expert_containers
@@ -119,46 +120,20 @@ class PolicyRule:
 # Rule building blocks shared by the presets (both naming sets in each rule).
 # MoE routers: always 16-bit (a policy that quantizes one is refused: moe.check_moe_formats).
 _ROUTER = dict(patterns=list(ROUTER_PATTERNS), weight=None, group="router", optional=True)
-_EMBED_OUT_NORM = dict(
-    patterns=["*embedding*", "*embed_tokens*", "*wte", "*output_layer*", "*lm_head*", "*norm*"],
-    weight=None, group="embedding_output_norm",
-)  # fmt: skip
-_ATTENTION = [
-    "*linear_qkv", "*linear_proj", "*q_proj", "*k_proj", "*v_proj", "*o_proj", "*qkv_proj",
-    "*self_attn.out_proj", "*attn.c_attn", "*attn.c_proj",
-]  # fmt: skip
-_MLP = [
-    "*linear_fc1", "*linear_fc2", "*gate_proj", "*up_proj", "*down_proj", "*gate_up_proj",
-    "*mlp.fc1", "*mlp.fc2", "*mlp.c_fc", "*mlp.c_proj", "*dense_h_to_4h", "*dense_4h_to_h",
-]  # fmt: skip
+_EMBED_OUT_NORM = dict(patterns=list(module_patterns("embedding_output_norm")), weight=None,
+                       group="embedding_output_norm")  # fmt: skip
+_ATTENTION = list(module_patterns("attention"))
+_MLP = list(module_patterns("mlp"))
 
 
-# Hybrid models' sequence mixers, each a group of its own. State-space (Mamba, Mamba-2) projections: Hugging Face
-# ``mamba.*`` (Jamba, Bamba, FalconH1, Zamba, GraniteMoeHybrid) or ``mixer.*`` (Mamba, Mamba-2, NemotronH;
-# megatron-core's MambaMixer); their attention layers use q/k/v/o names, so ``mixer.in_proj`` is always Mamba's.
-SSM_MIXER = (
-    "*mamba.in_proj", "*mamba.out_proj", "*mamba.x_proj", "*mamba.dt_proj",
-    "*mixer.in_proj", "*mixer.out_proj", "*mixer.x_proj", "*mixer.dt_proj",
-)  # fmt: skip
-# Linear attention (gated DeltaNet, ``linear_attn``: Qwen3-Next's and Qwen3.5's fused projections, OLMo-Hybrid's
-# q/k/v/g/o); its
-# small a/b (decay and gate) projections stay 16-bit (below).
-LINEAR_ATTENTION = (
-    "*linear_attn.in_proj_qkvz", "*linear_attn.in_proj_qkv", "*linear_attn.in_proj_z", "*linear_attn.out_proj",
-    "*linear_attn.q_proj", "*linear_attn.k_proj",
-    "*linear_attn.v_proj", "*linear_attn.g_proj", "*linear_attn.o_proj",
-)  # fmt: skip
-# Always 16-bit: the mixers' depthwise convolution (a rule that quantizes it is refused: refuse_quantized_conv1d),
-# the gated DeltaNet's a/b projections, Nemotron 3's latent MoE projections and multi-token-prediction layers (as
-# modelopt's Mamba-MoE recipes keep them).
-_HYBRID_16BIT = [
-    dict(patterns=["*conv1d"], weight=None, group="conv1d", optional=True),
-    dict(patterns=["*linear_attn.in_proj_ba", "*linear_attn.in_proj_a", "*linear_attn.in_proj_b",
-                   "*linear_attn.a_proj", "*linear_attn.b_proj"], weight=None,
-         group="linear_attention_gates", optional=True),
-    dict(patterns=["*fc1_latent_proj", "*fc2_latent_proj"], weight=None, group="latent_proj", optional=True),
-    dict(patterns=["mtp.*", "*.mtp.*"], weight=None, group="multi_token_prediction", optional=True),
-]  # fmt: skip
+# Hybrid models' sequence mixers, each a group of its own: state-space (Mamba, Mamba-2) projections and linear
+# attention (gated DeltaNet); their small gates, the depthwise convolution (a rule that quantizes it is refused:
+# refuse_quantized_conv1d), Nemotron 3's latent MoE projections and multi-token-prediction layers stay 16-bit (as
+# modelopt's Mamba-MoE recipes keep them). The names of each family's modules: architectures.py.
+SSM_MIXER = module_patterns("ssm_mixer")
+LINEAR_ATTENTION = module_patterns("linear_attention")
+_HYBRID_16BIT = [dict(patterns=list(module_patterns(group)), weight=None, group=group, optional=True)
+                 for group in SIXTEEN_BIT_GROUPS]  # fmt: skip
 
 
 def _mixer_rules(weight: str | None) -> list[dict[str, Any]]:

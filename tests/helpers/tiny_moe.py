@@ -10,6 +10,8 @@ import pytest
 import torch
 import transformers
 
+from nemo_fp4qat.architectures import FAMILIES
+
 # the fields a config has are set (by name) to a 2-layer model with 4 experts, top-2, every layer MoE
 _SHRINK = dict(
     vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -20,18 +22,17 @@ _SHRINK = dict(
     tie_word_embeddings=False,
 )  # fmt: skip
 # families whose experts are fused in transformers 5's standard layout ([experts, out, in] gate_up_proj and
-# down_proj), with the fields of their own a tiny model needs
-FUSED_MOE: dict[str, dict] = {
-    "Qwen3Moe": {}, "Qwen2Moe": {}, "Mixtral": {}, "Olmoe": {}, "Phimoe": {}, "MiniMax": {}, "MiniMaxM2": {},
-    "DeepseekV2": {}, "Dots1": {}, "Glm4Moe": {}, "Glm4MoeLite": {}, "Ernie4_5_Moe": {}, "ExaoneMoe": {},
-    "Cohere2Moe": {}, "HunYuanMoEV1": {}, "GraniteMoe": {}, "GraniteMoeShared": {}, "SolarOpen": {},
-    "Mistral4": {}, "Afmoe": {}, "HYV3": {}, "Laguna": {}, "MiMoV2Flash": {}, "Mellum": {},
+# down_proj): those the family table (nemo_fp4qat/architectures.py) carries through test_fused_experts.py, with the
+# fields of their own a tiny model needs
+_OWN_FIELDS: dict[str, dict] = {
     "FlexOlmo": dict(pad_token_id=1, bos_token_id=2, eos_token_id=3),  # its defaults lie outside a small vocabulary
     "Lfm2Moe": dict(layer_types=["full_attention", "conv"], num_dense_layers=0),  # short convolutions beside attention
-}  # fmt: skip
+}
+_TESTED = [f for f in FAMILIES if "tests/lightning/test_fused_experts.py" in f.tests]
+FUSED_MOE: dict[str, dict] = {c: _OWN_FIELDS.get(c, {}) for f in _TESTED if not f.refused for c in f.classes}
 # fused experts in another layout, with modelopt wrappers of their own: refused by name at prepare (gpt-oss:
 # tests/lightning/test_gpt_oss.py)
-OTHER_LAYOUT_MOE: dict[str, dict] = {"JetMoe": {}}
+OTHER_LAYOUT_MOE: dict[str, dict] = {c: {} for f in _TESTED if f.refused for c in f.classes}
 
 
 def build(family: str, table: dict[str, dict] = FUSED_MOE) -> torch.nn.Module:
