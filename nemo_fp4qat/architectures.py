@@ -71,7 +71,7 @@ _HF_EMBED_OUT_NORM = ("*embed_tokens*", "*lm_head*", "*norm*")
 _FUSED_MOE_CLASSES = (
     "Qwen3Moe", "Qwen2Moe", "Mixtral", "Olmoe", "Phimoe", "MiniMax", "MiniMaxM2", "DeepseekV2", "Dots1", "Glm4Moe",
     "Glm4MoeLite", "Ernie4_5_Moe", "ExaoneMoe", "Cohere2Moe", "HunYuanMoEV1", "GraniteMoe", "GraniteMoeShared",
-    "SolarOpen", "Mistral4", "Afmoe", "HYV3", "Laguna", "MiMoV2Flash", "Mellum", "FlexOlmo", "Lfm2Moe",
+    "SolarOpen", "Mistral4", "Afmoe", "HYV3", "Laguna", "MiMoV2Flash", "Mellum", "FlexOlmo", "Lfm2Moe", "DeepseekV3",
 )  # fmt: skip
 _STATE_SPACE = ("*mamba.in_proj", "*mamba.out_proj", "*mamba.x_proj", "*mamba.dt_proj")
 _MIXER = ("*mixer.in_proj", "*mixer.out_proj", "*mixer.x_proj", "*mixer.dt_proj")
@@ -146,11 +146,11 @@ FAMILIES: tuple[Family, ...] = (
         tests=("tests/lightning/test_moe_qad.py", "tests/nemo/test_nemo_hf_moe.py", "tests/bridge/test_bridge_moe.py"),
     ),
     Family(
-        "MoE, fused experts (transformers 5: 26 families)",
+        "MoE, fused experts (transformers 5: 27 families)",
         _FUSED_MOE_CLASSES,
         experts="fused",
         modules={"router": ("*mlp.router.gate", "*block_sparse_moe.router"), "shared_experts": ("*shared_mlp.*",)},
-        # multi-head latent attention's down projections (DeepSeek-V2, GLM-4 MoE Lite, Mistral 4) deploy fused
+        # multi-head latent attention's down projections (DeepSeek-V2 / V3, GLM-4 MoE Lite, Mistral 4) deploy fused
         fused_siblings=(("q_a_proj", "kv_a_proj_with_mqa"),),
         quantizes=("attention", "experts", "shared_experts"),
         readers=("vLLM and SGLang (Qwen3-MoE)",),

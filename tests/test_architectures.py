@@ -67,7 +67,7 @@ def test_the_derived_names_are_every_familys_once():
 
 
 def test_the_tiny_model_helpers_build_exactly_the_families_the_table_lists():
-    assert len(FUSED_MOE) == 26 and {"Qwen3Moe", "Mixtral", "DeepseekV2", "Lfm2Moe"} <= set(FUSED_MOE)
+    assert len(FUSED_MOE) == 27 and {"Qwen3Moe", "Mixtral", "DeepseekV3", "Lfm2Moe"} <= set(FUSED_MOE)
     hybrids = _families_tested_by("tests/lightning/test_hybrid_qad.py") | _families_tested_by(
         "tests/qat/test_hybrid_policy.py")  # fmt: skip
     assert set(HYBRIDS) == hybrids - {"RecurrentGemma"}  # RecurrentGemma's config is built in its own test

@@ -233,3 +233,33 @@ def test_vllm_reads_a_nemotron_h_export_under_the_nano_preset_as_nvidias_recipe(
     for kept in ("backbone.layers.0.mixer.in_proj", "backbone.layers.0.mixer.out_proj",
                  "backbone.layers.2.mixer.qkv_proj", "backbone.layers.2.mixer.o_proj", "lm_head"):  # fmt: skip
         assert layers[kept]["excluded"], (kept, layers[kept])
+
+
+@pytest.mark.skipif(not ENGINES_PYTHON, reason="the engines environment: make test-engines")
+def test_vllm_reads_a_gpt_oss_export_as_its_own_mxfp4_checkpoint(tmp_path):
+    """A tiny gpt-oss trained under ``gpt_oss_mxfp4`` and exported in gpt-oss's own layout, read by vLLM as it reads
+    OpenAI's checkpoints: its gpt-oss MXFP4 method claims it, each MoE layer gets that method's fused MoE, every other
+    linear stays unquantized, and its gpt-oss weights mapper takes every tensor to a parameter of the shape vLLM
+    creates for it."""
+    import torch
+    from tiny_moe import build
+
+    from nemo_fp4qat import QATController
+
+    model = build("GptOss", {"GptOss": {}})
+    ctl = QATController(policy="gpt_oss_mxfp4", calibration=2)
+    ctl.prepare(model)
+    ctl.calibrate(model, [torch.randint(0, 96, (2, 16)) for _ in range(2)])
+    out = export_checkpoint(model, tmp_path / "hf", ExportConfig(kind="hf", runtime="vllm"))
+    got = _run_worker(ENGINES_PYTHON, "vllm_parser_worker.py", str(out), str(tmp_path / "vllm.json"))
+    assert got["claimed"] == ["gpt_oss_mxfp4"] and got["method"] == "gpt_oss_mxfp4"
+    layers = got["layers"]
+    for i in (0, 1):
+        assert layers[f"model.layers.{i}.mlp.experts"]["method"] == "GptOssMxfp4MoEMethod", layers
+        for m in ("qkv_proj", "o_proj"):
+            assert layers[f"model.layers.{i}.self_attn.{m}"]["excluded"], layers
+    weights = got["gpt_oss"]
+    assert weights["model.layers.0.mlp.experts.gate_up_proj_blocks"]["name"].endswith(".experts.w13_weight")
+    assert weights["model.layers.1.mlp.experts.down_proj_scales"]["name"].endswith(".experts.w2_weight_scale")
+    assert weights["model.layers.0.self_attn.sinks"]["name"] == "model.layers.0.attn.sinks"
+    assert all(w["shape_fits"] for w in weights.values()), {k: w for k, w in weights.items() if not w["shape_fits"]}

@@ -27,6 +27,7 @@ _SHRINK = dict(
 _OWN_FIELDS: dict[str, dict] = {
     "FlexOlmo": dict(pad_token_id=1, bos_token_id=2, eos_token_id=3),  # its defaults lie outside a small vocabulary
     "Lfm2Moe": dict(layer_types=["full_attention", "conv"], num_dense_layers=0),  # short convolutions beside attention
+    "DeepseekV3": dict(head_dim=8),  # its rotary embedding spans head_dim, which MLA sets to qk_rope_head_dim
 }
 _TESTED = [f for f in FAMILIES if "tests/lightning/test_fused_experts.py" in f.tests]
 FUSED_MOE: dict[str, dict] = {c: _OWN_FIELDS.get(c, {}) for f in _TESTED if not f.refused for c in f.classes}
@@ -44,7 +45,7 @@ def build(family: str, table: dict[str, dict] = FUSED_MOE) -> torch.nn.Module:
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        config = config_class(**{k: v for k, v in _SHRINK.items() if k in fields}, **table[family])
+        config = config_class(**{**{k: v for k, v in _SHRINK.items() if k in fields}, **table[family]})
         model = getattr(transformers, f"{family}ForCausalLM")(config)
     model.config.architectures = [type(model).__name__]
     return model

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 from engine_layers import LLAMA_PACKED, engine_linear_prefixes, engine_moe_prefixes
 
@@ -22,30 +23,41 @@ def main(export_dir: str, out_json: str) -> None:
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
     from vllm.model_executor.layers.quantization.modelopt import LINEAR_ALGOS
 
-    qc = json.loads((Path(export_dir) / "config.json").read_text())["quantization_config"]
+    config = json.loads((Path(export_dir) / "config.json").read_text())
+    qc = config["quantization_config"]
+    hf_config = SimpleNamespace(**config)  # what vLLM hands the methods: gpt-oss's is claimed by its model_type
     claimed = []
     for name in QUANTIZATION_METHODS:
         try:
             cls = get_quantization_config(name)
         except (ImportError, ValueError):  # a method whose kernels this build lacks
             continue
-        got = cls.override_quantization_method(qc, None)
+        got = cls.override_quantization_method(qc, None, hf_config=hf_config)
         if got is not None:
             claimed.append(got)
     method = claimed[0] if claimed else qc.get("quant_method")
     cfg = get_quantization_config(method).from_config(qc)
     cfg.packed_modules_mapping = dict(LLAMA_PACKED)  # what vLLM's model loader hands the config for a Llama
 
-    def algo_of(prefix: str) -> str | None:
+    from vllm.model_executor.layers.linear import LinearBase
+
+    def excluded(prefix: str, layer: object) -> bool:
+        """modelopt's configs name excluded layers; the others say it through the linear method they give."""
+        if hasattr(cfg, "is_layer_excluded"):
+            return bool(cfg.is_layer_excluded(prefix))
+        return type(cfg.get_quant_method(layer, prefix)).__name__ == "UnquantizedLinearMethod"
+
+    def algo_of(prefix: str, layer: object) -> str | None:
         """The per-layer algorithm a mixed-precision config resolves; a single-format config's own (``FP8`` for a
         checkpoint whose every quantized layer is FP8) for what it does not exclude."""
-        if cfg.is_layer_excluded(prefix):
+        if excluded(prefix, layer):
             return None
         return cfg._resolve_quant_algo(prefix) if hasattr(cfg, "_resolve_quant_algo") else qc.get("quant_algo")
 
+    linear = LinearBase.__new__(LinearBase)  # get_quant_method asks only what kind of layer it is
     layers = {}
     for prefix in engine_linear_prefixes(export_dir):
-        layers[prefix] = {"excluded": bool(cfg.is_layer_excluded(prefix)), "algo": algo_of(prefix)}
+        layers[prefix] = {"excluded": excluded(prefix, linear), "algo": algo_of(prefix, linear)}
     moe = engine_moe_prefixes(export_dir)
     if moe:
         from vllm.model_executor.layers.fused_moe import RoutedExperts
@@ -62,15 +74,45 @@ def main(export_dir: str, out_json: str) -> None:
 
         for name in ("ModelOptNvFp4FusedMoE", "ModelOptFp8MoEMethod", "ModelOptMxFp8FusedMoE"):
             getattr(modelopt, name).__init__ = keep_config
+        from vllm.model_executor.layers.quantization import mxfp4
+
+        mxfp4.GptOssMxfp4MoEMethod.__init__ = mxfp4.Mxfp4MoEMethod.__init__ = keep_config
         for prefix in moe:
             method = cfg.get_quant_method(layer, prefix)
             sub = getattr(method, "quant_config", None)
-            layers[prefix] = {"excluded": bool(cfg.is_layer_excluded(prefix)), "method": type(method).__name__,
-                              "algo": algo_of(prefix),
+            layers[prefix] = {"excluded": excluded(prefix, layer), "method": type(method).__name__,
+                              "algo": algo_of(prefix, layer),
                               "config": None if sub is None else type(sub).__name__}  # fmt: skip
     got = {"vllm": vllm.__version__, "claimed": claimed, "method": cfg.get_name(), "layers": layers,
            "linear_algos": sorted(LINEAR_ALGOS)}  # fmt: skip
+    if config.get("architectures") == ["GptOssForCausalLM"]:
+        got["gpt_oss"] = _gpt_oss_weights(export_dir, config)
     Path(out_json).write_text(json.dumps(got, indent=1))
+
+
+def _gpt_oss_weights(export_dir: str, config: dict) -> dict:
+    """vLLM's gpt-oss loader on the export's tensors: the name its weights mapper gives each, and whether each expert
+    tensor has the shape the parameter its MXFP4 MoE method creates would take after the loader's reshape."""
+    from safetensors import safe_open
+    from vllm.model_executor.models.gpt_oss import GptOssForCausalLM
+
+    experts, hidden, inter = config["num_local_experts"], config["hidden_size"], config["intermediate_size"]
+    # Mxfp4MoEMethod.create_weights: w13 [E, 2F, H / 2] uint8, [E, 2F, H / 32] scales; w2 [E, H, F / 2], [E, H, F / 32]
+    params = {"w13_weight": [experts, 2 * inter, hidden // 2], "w13_weight_scale": [experts, 2 * inter, hidden // 32],
+              "w2_weight": [experts, hidden, inter // 2],
+              "w2_weight_scale": [experts, hidden, inter // 32]}  # fmt: skip
+    out = {}
+    for f in sorted(Path(export_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                name = GptOssForCausalLM.hf_to_vllm_mapper.map_name(key)
+                shape = list(st.get_slice(key).get_shape())
+                leaf = name.rpartition(".")[2]
+                if leaf in params:  # the loader views blocks as [E, 2F, -1] (w13) or [E, -1, F / 2] (w2)
+                    n = shape[0] * shape[1] * (shape[2] * shape[3] if len(shape) == 4 else shape[2])
+                    shape = [shape[0], shape[1], n // (shape[0] * shape[1])]
+                out[key] = {"name": name, "shape_fits": params.get(leaf, shape) == shape}
+    return out
 
 
 if __name__ == "__main__":
