@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from megatron_utils import free_port
 from paths import WORKERS, worker_env
+from preloaded import FORK_SERVER, PreloadedProcess
 
 
 def run_bridge_worker(tmp_path, name: str, ckpt, nproc: int = 1, **env) -> dict:
@@ -18,16 +20,16 @@ def run_bridge_worker(tmp_path, name: str, ckpt, nproc: int = 1, **env) -> dict:
     out = tmp_path / f"{name}.json"
     port = str(free_port())
     dist = {"WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKERS / "bridge_trainer_worker.py"), str(out), str(ckpt)],
-            env=worker_env(**{k: str(v) for k, v in env.items()}, **dist, RANK=str(rank), LOCAL_RANK=str(rank)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(nproc)
-    ]
+    script, argv = WORKERS / "bridge_trainer_worker.py", [str(out), str(ckpt)]
+    procs = []
+    for rank in range(nproc):
+        rank_env = worker_env(**{k: str(v) for k, v in env.items()}, **dist, RANK=str(rank), LOCAL_RANK=str(rank))
+        if FORK_SERVER:  # forked from a process that imported Megatron-Bridge once (preloaded.py)
+            logs = tmp_path / f"{name}.logs" / f"rank{rank}"
+            procs.append(PreloadedProcess(["bridge_preload"], script, argv, rank_env, Path.cwd(), logs))
+        else:
+            procs.append(subprocess.Popen([sys.executable, str(script), *argv], env=rank_env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True))  # fmt: skip
     logs = []
     for p in procs:
         try:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from megatron_utils import free_port
 from paths import WORKERS, worker_env
+from preloaded import FORK_SERVER, PreloadedProcess
 
 
 def run_worker(tmp_path, name, *args, steps=4, devices=1, tp=1, export_dir=None, **env_extra):
@@ -21,9 +22,14 @@ def run_worker(tmp_path, name, *args, steps=4, devices=1, tp=1, export_dir=None,
     if export_dir:
         env["EXPORT_DIR"] = str(export_dir)
     env.update({k: str(v) for k, v in env_extra.items()})
-    proc = subprocess.run([sys.executable, str(worker), str(out), *args], capture_output=True, text=True,
-                          timeout=900, cwd=tmp_path, env=env)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    if FORK_SERVER:  # forked from a process that imported NeMo once (preloaded.py); Lightning starts other ranks
+        proc = PreloadedProcess(["nemo_preload"], worker, [str(out), *args], env, tmp_path, tmp_path / f"{name}.logs")
+        stdout, stderr = proc.communicate(timeout=900)
+    else:
+        done = subprocess.run([sys.executable, str(worker), str(out), *args], capture_output=True, text=True,
+                              timeout=900, cwd=tmp_path, env=env)  # fmt: skip
+        proc, stdout, stderr = done, done.stdout, done.stderr
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
     if devices > 1:
         return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(devices)]
     return json.loads(out.read_text())
