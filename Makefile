@@ -116,8 +116,8 @@ test-engines: $(CORE)/.stamp $(ENGINES)/.stamp $(SGLANG)/.stamp
 
 # The three environments build side by side; the core suite runs alone (it uses both cores), then the nemo and
 # Bridge suites side by side (Bridge's spends most of its time starting worker processes), each with a temporary
-# folder of its own and its output kept together. All three side by side measured slower (33 minutes against 25 on
-# 2 cores: six torch threads on two cores contend).
+# folder of its own and its output kept together. All three side by side measured slower (35:44 against about 25
+# minutes on 2 cores: six torch threads on two cores), and the core suite beside the nemo one ran out of 24 GiB.
 test:
 	$(MAKE) $(UV)
 	$(MAKE) -j3 env

@@ -45,6 +45,16 @@ def _run_script(script: str, argv: list[str], env: dict[str, str], cwd: str, out
 
         traceback.print_exc()
         code = 1
+    # what a fresh interpreter does at exit: its exit handlers (multiprocessing's among them: the worker's own helper
+    # processes, a data loader's or a checkpoint writer's, are stopped and joined, not left behind holding memory)
+    import atexit
+
+    try:
+        atexit._run_exitfuncs()
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code if isinstance(code, int) else (0 if code is None else 1))
