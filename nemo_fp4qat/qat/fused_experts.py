@@ -60,13 +60,11 @@ _OTHER_LAYOUTS = expert_classes("transposed", refused=True)
 
 @dataclass(frozen=True)
 class FusedExperts:
-    """One fused expert container: its module name, expert count, fused projections (in forward order) and whether
-    its weights are stored transposed (``[E, in, out]``, gpt-oss)."""
+    """One fused expert container: its module name, expert count and fused projections (in forward order)."""
 
     name: str
     num_experts: int
     projections: tuple[str, ...]
-    transposed: bool = False
 
     @property
     def gated(self) -> bool:
@@ -108,8 +106,7 @@ def fused_expert_containers(model: nn.Module) -> dict[str, FusedExperts]:
     for name, module in model.named_modules():
         projections = _standard_layout(module)
         if projections is not None and name.endswith("experts"):
-            transposed = is_transposed_experts(module)
-            found[name] = FusedExperts(name, int(module.num_experts), projections, transposed)
+            found[name] = FusedExperts(name, int(module.num_experts), projections)
     return found
 
 

@@ -120,6 +120,20 @@ def loader(n: int = 128, seq_len: int = 32, batch_size: int = 8, seed: int = 0) 
     return DataLoader(PatternTokens(n, seq_len, seed), batch_size=batch_size, shuffle=False)
 
 
+def qad_fit(model: nn.Module, policy: str, steps: int = 1, n: int = 8, calibration: int = 8):
+    """``steps`` Lightning QAD steps of a Hugging Face ``model`` under ``policy`` (direct schedule) on the pattern
+    tokens; returns (the callback, the LightningModule)."""
+    from nemo_fp4qat import FP4QATCallback
+
+    qat = FP4QATCallback(policy=policy, schedule="direct", calibration=calibration, distillation="qad",
+                         module_getter=lambda lit: lit.net)  # fmt: skip
+    lit = LitLM(model)
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[qat])  # fmt: skip
+    trainer.fit(lit, loader(n=n, batch_size=4, seq_len=16))
+    return qat, lit
+
+
 FULL = {"patterns": ["*lm_head*", "*embed*", "*norm*"], "weight": "bf16", "group": "full", "optional": True}
 
 

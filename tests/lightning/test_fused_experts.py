@@ -8,19 +8,18 @@ from __future__ import annotations
 import copy
 import json
 
-import lightning.pytorch as pl
 import pytest
 import torch
 import transformers
 from tiny_moe import FUSED_MOE, OTHER_LAYOUT_MOE, build
 
-from nemo_fp4qat import FP4QATCallback, QATController
+from nemo_fp4qat import QATController
 from nemo_fp4qat.export import ExportConfig, export_checkpoint
 from nemo_fp4qat.monitor.experts import ExpertLoad
 from nemo_fp4qat.qat.fused_experts import fused_expert_containers
 from nemo_fp4qat.specs import ConfigError
 
-from tiny_models import LitLM, loader
+from tiny_models import qad_fit
 
 pytestmark = [
     # modelopt 0.47's fused-expert wrappers (the core environment); transformers 4 holds experts as linears
@@ -41,12 +40,7 @@ def _forward(model, batch):
 def test_a_fused_expert_moe_trains_with_qad_and_exports_validated(family, tmp_path):
     model = build(family)
     assert fused_expert_containers(model), f"{family}: no fused experts found"
-    qat = FP4QATCallback(policy="default", schedule="direct", calibration=8, distillation="qad",
-                         module_getter=lambda lit: lit.net)  # fmt: skip
-    lit = LitLM(model)
-    trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[qat])  # fmt: skip
-    trainer.fit(lit, loader(n=8, batch_size=4, seq_len=16))
+    qat, _ = qad_fit(model, "default")
     assert qat.distiller is not None and qat.distiller.last
     rows = {r.module: r for r in qat.controller.table.rows}
     fused = [n for c in fused_expert_containers(model).values() for n in c.projection_names()]

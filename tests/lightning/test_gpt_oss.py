@@ -7,19 +7,18 @@ from __future__ import annotations
 import copy
 import json
 
-import lightning.pytorch as pl
 import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
 from tiny_moe import build
 
-from nemo_fp4qat import FP4QATCallback, QATController
+from nemo_fp4qat import QATController
 from nemo_fp4qat.export import ExportConfig, ExportRefused, export_checkpoint
 from nemo_fp4qat.export.validate import validate_export
 from nemo_fp4qat.monitor.analysis import analyze_model
 
-from tiny_models import LitLM, loader
+from tiny_models import qad_fit
 
 pytestmark = [
     # modelopt 0.47's gpt-oss wrapper and transformers 5's MXFP4 loader (the core environment)
@@ -50,11 +49,7 @@ def qad_export(tmp_path_factory):
     """A tiny gpt-oss after two QAD steps under ``gpt_oss_mxfp4`` (Lightning), and its export for vLLM."""
     model = _gpt_oss()
     sinks = [layer.self_attn.sinks.detach().clone() for layer in model.model.layers]
-    qat = FP4QATCallback(policy="gpt_oss_mxfp4", schedule="direct", calibration=8, distillation="qad",
-                         module_getter=lambda lit: lit.net)  # fmt: skip
-    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[qat])  # fmt: skip
-    trainer.fit(LitLM(model), loader(n=8, batch_size=4, seq_len=16))
+    qat, _ = qad_fit(model, "gpt_oss_mxfp4", steps=2)
     out = tmp_path_factory.mktemp("gpt_oss") / "export"
     export_checkpoint(model, out, ExportConfig(kind="hf", runtime="vllm"))
     return model, qat, out, sinks

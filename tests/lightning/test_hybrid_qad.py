@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import json
 
-import lightning.pytorch as pl
 import pytest
 from tiny_hybrids import build
 
-from nemo_fp4qat import FP4QATCallback
 from nemo_fp4qat.export import ExportConfig, export_checkpoint
 from nemo_fp4qat.export.hub_names import model_name_resolver
 from nemo_fp4qat.qat.fused_experts import is_fused_projection
 
-from tiny_models import LitLM, loader
+from tiny_models import qad_fit
 
 pytestmark = pytest.mark.twice("the Lightning front end over modelopt 0.37's quantizers and transformers 4.57's models")
 
@@ -38,12 +36,7 @@ FAMILIES = [
 def test_a_hybrid_trains_with_qad_and_exports_validated_under_the_nano_preset(family, tmp_path):
     model = build(family)
     model.config.architectures = [type(model).__name__]  # a model built from a config names none; the export reads it
-    qat = FP4QATCallback(policy="nemotron3_nano", schedule="direct", calibration=8, distillation="qad",
-                         module_getter=lambda lit: lit.net)  # fmt: skip
-    lit = LitLM(model)
-    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[qat])  # fmt: skip
-    trainer.fit(lit, loader(n=16, batch_size=4, seq_len=16))
+    qat, lit = qad_fit(model, "nemotron3_nano", steps=2, n=16)
     assert len(lit.losses) == 2 and qat.distiller is not None and qat.distiller.last
     out = export_checkpoint(model, tmp_path / "export", ExportConfig(kind="hf", runtime="vllm"))
     report = json.loads((out / "validation.json").read_text())
@@ -78,12 +71,8 @@ def test_qad_of_a_model_left_in_eval_mode_says_so():
     """Lightning keeps a submodule's eval mode through fit: the student then runs no training forward, and QAD says
     why instead of failing without a cause."""
     model = build("Bamba").eval()
-    qat = FP4QATCallback(policy="nemotron3_nano", schedule="direct", calibration=4, distillation="qad",
-                         module_getter=lambda lit: lit.net)  # fmt: skip
-    trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[qat])  # fmt: skip
     with pytest.raises(RuntimeError, match=r"stays in eval mode.*model\.train\(\) before trainer\.fit"):
-        trainer.fit(LitLM(model), loader(n=4, batch_size=4, seq_len=16))
+        qad_fit(model, "nemotron3_nano", n=4, calibration=4)
     # the failed fit left nothing process-wide behind: weight fake quant is computed afresh again
     from nemo_fp4qat.numerics.weight_reuse import weight_reuse_active
 
@@ -97,11 +86,7 @@ def test_nemotron_h_under_the_nano_preset_exports_nvidias_published_recipe(tmp_p
     and lm_head 16-bit; the routed and shared experts NVFP4; an FP8 KV cache."""
     model = build("NemotronH")
     model.config.architectures = [type(model).__name__]
-    qat = FP4QATCallback(policy="nemotron3_nano", schedule="direct", calibration=8, distillation="qad",
-                         module_getter=lambda lit: lit.net)  # fmt: skip
-    trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[qat])  # fmt: skip
-    trainer.fit(LitLM(model), loader(n=8, batch_size=4, seq_len=16))
+    qat, _ = qad_fit(model, "nemotron3_nano")
     out = export_checkpoint(model, tmp_path / "export", ExportConfig(kind="hf", runtime="vllm"))
     report = json.loads((out / "validation.json").read_text())
     assert report["ok"], report
@@ -169,11 +154,7 @@ def test_a_recurrent_hybrid_keeping_its_state_from_training_exports_validated(tm
                                                lru_width=64, attention_window_size=16, conv1d_width=4)  # fmt: skip
     model = transformers.RecurrentGemmaForCausalLM(config)
     model.config.architectures = [type(model).__name__]
-    qat = FP4QATCallback(policy="default", schedule="direct", calibration=8, distillation="qad",
-                         module_getter=lambda lit: lit.net)  # fmt: skip
-    trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[qat])  # fmt: skip
-    trainer.fit(LitLM(model), loader(n=8, batch_size=4, seq_len=16))
+    qad_fit(model, "default")
     out = export_checkpoint(model, tmp_path / "export", ExportConfig(kind="hf", runtime="vllm"))
     report = json.loads((out / "validation.json").read_text())
     assert report["ok"] and report["numeric"]["fp4_codes_compared"] > 0, report
