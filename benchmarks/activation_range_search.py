@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nemo_fp4qat.qat.fused_siblings import find_fused_siblings
+from nemo_fp4qat.qat.policy.fused_siblings import find_fused_siblings
 
 GRID = (0.25, 0.5, 0.71, 1.0, 1.41, 2.0, 4.0)
 

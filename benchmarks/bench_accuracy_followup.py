@@ -26,7 +26,7 @@ from nemo_fp4qat.demo.pipeline import DemoConfig
 from nemo_fp4qat.demo.training import train_lm
 from nemo_fp4qat.eval.evaluation import multiple_choice_accuracy
 from nemo_fp4qat.eval.tasks import next_sentence_tasks
-from nemo_fp4qat.qat.policy import POLICY_PRESETS
+from nemo_fp4qat.qat.policy.rules import POLICY_PRESETS
 
 MC_TASKS = 100
 _KEEP = POLICY_PRESETS["default"]["rules"][0]  # embeddings, lm_head, norms in full precision

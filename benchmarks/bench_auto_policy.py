@@ -1,4 +1,4 @@
-"""A policy modelopt's AutoQuantize chose (``nemo_fp4qat.qat.auto_policy``) against the hand presets, at the same
+"""A policy modelopt's AutoQuantize chose (``nemo_fp4qat.qat.policy.auto``) against the hand presets, at the same
 bits per linear weight, PTQ and QAD (#36).
 
 The demo's setting (SmolLM2-135M, BF16 fine-tune on Emma, the levers bench's recipe): each row quantizes a copy of
@@ -32,7 +32,7 @@ from common import RESULTS_DIR, machine, rerender, write_result
 from nemo_fp4qat import LayerPolicy
 from nemo_fp4qat.demo.pipeline import DemoConfig
 from nemo_fp4qat.eval.gate import recovery
-from nemo_fp4qat.qat.auto_policy import auto_policy
+from nemo_fp4qat.qat.policy.auto import auto_policy
 
 # modelopt's effective bits of each (weight, input) format pair (QuantRecipe.compression x 16)
 MODELOPT_BITS = {("nvfp4", "nvfp4"): 4.5, ("fp8", "fp8"): 8.0, ("nvfp4", "fp8"): 4.0, ("bf16", "bf16"): 16.0}

@@ -4,9 +4,9 @@ One BF16 fine-tune (the demo's: SmolLM2-135M, Emma, 20 steps) is the teacher and
 each lever is then applied to a copy of it: PTQ (calibrated, no training), and for the levers named
 in ``QAD_LEVERS`` the demo's QAD stage (KL to the fine-tune, direct schedule, ``DemoConfig.qad_lr``,
 20 steps), exported as a unified HF checkpoint (validated on write) and measured as served. Levers:
-activation smoothing folded into the norms / ``up_proj`` rows (``nemo_fp4qat.qat.smoothing``) at its
+activation smoothing folded into the norms / ``up_proj`` rows (``nemo_fp4qat.qat.calibration.smoothing``) at its
 sites and strengths, minimum-error NVFP4 weight block scales applied as a weight clip
-(``nemo_fp4qat.qat.block_scale_search``), and FP8 instead of NVFP4 MLP activations (policy
+(``nemo_fp4qat.qat.calibration.block_scale_search``), and FP8 instead of NVFP4 MLP activations (policy
 ``nvfp4_w4a8``, same weight bits), and an offline block-Hadamard rotation of the residual stream
 (``residual_rotation``, PTQ only). Gap to BF16 = ppl / ppl(fine-tune) - 1; recovery against plain
 max-calibrated PTQ of the default policy and against the same lever's own PTQ.

@@ -31,7 +31,7 @@ from common import RESULTS_DIR, machine, rerender, write_result
 from nemo_fp4qat.demo.pipeline import DemoConfig
 from nemo_fp4qat.demo.training import train_lm
 from nemo_fp4qat.eval.gate import recovery
-from nemo_fp4qat.qat.policy import _ATTENTION, _EMBED_OUT_NORM, _MLP
+from nemo_fp4qat.qat.policy.rules import _ATTENTION, _EMBED_OUT_NORM, _MLP
 
 # NVFP4 weights on every decoder linear, activations left in 16 bits: no TensorRT-LLM kernel (it runs NVFP4 weights
 # with NVFP4 or FP8 inputs only), so it exports for this plugin's own server

@@ -378,7 +378,7 @@ def megatron_qad(device: str, small: bool, work: Path) -> dict[str, Any]:
 
     from nemo_fp4qat import QATController
     from nemo_fp4qat.export import ExportConfig, export_checkpoint
-    from nemo_fp4qat.qat.distillation import kd_loss
+    from nemo_fp4qat.qat.distillation.distiller import kd_loss
 
     # on the GPU 4 layers of the step section's width: its export and validation (on the CPU) fit the run's 8 minutes
     layers, hidden, heads, vocab, seq, batch = (2, 64, 4, 256, 32, 2) if small else (4, 2048, 16, 32000, 1024, 4)

@@ -136,7 +136,7 @@ def _train(model: Any, windows: torch.Tensor, plan: BudgetPlan, lr: float, devic
     decay; cross-entropy, or KL to ``teacher``'s logits (QAD). Returns (seconds, losses)."""
     import torch.nn.functional as F
 
-    from nemo_fp4qat.qat.distillation import kd_loss
+    from nemo_fp4qat.qat.distillation.distiller import kd_loss
 
     steps = len(windows) // plan.batch
     opt = torch.optim.AdamW((p for p in model.parameters() if p.requires_grad), lr=lr)

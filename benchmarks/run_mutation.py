@@ -69,10 +69,10 @@ TARGETS: dict[str, dict] = {
     "formats": {"module": "nemo_fp4qat/numerics/formats.py",
                 "tests": ["tests/numerics/test_formats.py", "tests/qat/test_policy.py",
                           "tests/numerics/test_cpu_backend.py"]},
-    "calibration": {"module": "nemo_fp4qat/qat/calibration.py",
+    "calibration": {"module": "nemo_fp4qat/qat/calibration/calibrate.py",
                     "tests": ["tests/qat/test_amax_sync.py", "tests/qat/test_calibration_data.py",
                               "tests/qat/test_bad_config.py"]},
-    "batches": {"module": "nemo_fp4qat/qat/batches.py", "tests": ["tests/qat/test_calibration_data.py"]},
+    "batches": {"module": "nemo_fp4qat/qat/calibration/batches.py", "tests": ["tests/qat/test_calibration_data.py"]},
     "controller": {"module": "nemo_fp4qat/qat/controller.py",
                    "tests": ["tests/qat/test_controller.py", "tests/lightning/test_qat_callback.py",
                              "tests/qat/test_schedule.py", "tests/qat/test_bad_config.py",
@@ -91,7 +91,7 @@ TARGETS: dict[str, dict] = {
     # with the two-rank test (20 s a mutant: it reaches every function) a full run takes over an hour; the
     # full run of record left it out (its survivors, the moments' all-reduce branch among them, were re-checked
     # with it)
-    "block_scale_search": {"module": "nemo_fp4qat/qat/block_scale_search.py",
+    "block_scale_search": {"module": "nemo_fp4qat/qat/calibration/block_scale_search.py",
                            "tests": ["tests/qat/test_block_scale_search.py"]},
     "paired": {"module": "nemo_fp4qat/eval/paired.py", "tests": ["tests/eval/test_paired.py"]},
 }  # fmt: skip

@@ -2,11 +2,11 @@
 belongs to, how it holds its experts, which front ends train it, which preset fits it, what it exports to and what
 reads the export.
 
-The policies' module patterns (``qat/policy.py``), the mixture-of-experts names (``qat/moe.py``), the layers that
-deploy fused with one scale (``qat/fused_siblings.py``, the export validation), the expert container layouts
-(``qat/fused_experts.py``) and the README's supported-models table (``nemo-fp4qat models --markdown``) are read from
-here: supporting a family is one entry plus its test (``tests/test_architectures.py`` holds every entry to the tests
-it names and the README to the table).
+The policies' module patterns (``qat/policy/rules.py``), the mixture-of-experts names (``qat/experts/moe.py``),
+the layers that deploy fused with one scale (``qat/policy/fused_siblings.py``, the export validation), the expert
+container layouts (``qat/experts/fused.py``) and the README's supported-models table (``nemo-fp4qat models
+--markdown``) are read from here: supporting a family is one entry plus its test (``tests/test_architectures.py`` holds
+every entry to the tests it names and the README to the table).
 """
 
 from __future__ import annotations

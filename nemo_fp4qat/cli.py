@@ -17,7 +17,7 @@ _GROUP_NAMES = {"ssm_mixer": "Mamba mixers", "linear_attention": "linear attenti
 
 def _preset_formats(preset: str, groups: tuple[str, ...]) -> str:
     """What ``preset`` gives each of ``groups`` (``attention FP8; MLP, experts NVFP4``), and its KV cache."""
-    from .qat.policy import LayerPolicy
+    from .qat.policy.rules import LayerPolicy
 
     policy = LayerPolicy.preset(preset)
     formats: dict[str, tuple[str, str]] = {}

@@ -16,8 +16,8 @@ from tiny_moe import FUSED_MOE
 from nemo_fp4qat import LayerPolicy
 from nemo_fp4qat.architectures import FAMILIES, expert_classes, fused_sibling_sets, module_patterns
 from nemo_fp4qat.cli import main, supported_models_markdown
-from nemo_fp4qat.qat.fused_siblings import FUSED_SIBLING_SETS
-from nemo_fp4qat.qat.policy import POLICY_PRESETS
+from nemo_fp4qat.qat.policy.fused_siblings import FUSED_SIBLING_SETS
+from nemo_fp4qat.qat.policy.rules import POLICY_PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 START = "<!-- supported-models: rendered by `nemo-fp4qat models --markdown` from nemo_fp4qat/architectures.py -->"

@@ -111,13 +111,13 @@ def test_no_import_runs_up_the_floors(module, path, is_package):
 
 def test_the_checker_sees_upward_imports():
     """The rule itself: a relative, an absolute and a root import upward are each caught."""
-    assert violations("from ..lightning.callback import FP4QATCallback\n", "nemo_fp4qat.qat.policy")
+    assert violations("from ...lightning.callback import FP4QATCallback\n", "nemo_fp4qat.qat.policy.rules")
     assert violations("import nemo_fp4qat.export.validate\n", "nemo_fp4qat.numerics.formats")
     assert violations("from nemo_fp4qat import LayerPolicy\n", "nemo_fp4qat.qat.config_io")
     assert violations("def f():\n    from ..demo import pipeline\n", "nemo_fp4qat.eval.tasks")  # lazy, in a function
     assert violations("from ..demo import model\n", "nemo_fp4qat.eval", is_package=True)
-    assert not violations("from ..numerics.formats import get_format\n", "nemo_fp4qat.qat.policy")
-    assert not violations("from .policy import is_quantizer\n", "nemo_fp4qat.qat.calibration")
+    assert not violations("from ...numerics.formats import get_format\n", "nemo_fp4qat.qat.policy.rules")
+    assert not violations("from ..policy.rules import is_quantizer\n", "nemo_fp4qat.qat.calibration.calibrate")
 
 
 def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
@@ -209,9 +209,9 @@ def test_the_checkers_see_circles_and_private_names():
     assert import_circles(import_graph(sources)) == [["nemo_fp4qat.qat.a", "nemo_fp4qat.qat.b", "nemo_fp4qat.qat.c"]]
     sources["nemo_fp4qat.qat.c"] = ("import torch\n", False)
     assert import_circles(import_graph(sources)) == []
-    assert private_imports("from .calibration import _rank, sync\n", "nemo_fp4qat.qat.gptq") == [
-        "nemo_fp4qat.qat.gptq:1 imports _rank from nemo_fp4qat.qat.calibration"
+    assert private_imports("from .calibrate import _rank, sync\n", "nemo_fp4qat.qat.calibration.gptq") == [
+        "nemo_fp4qat.qat.calibration.gptq:1 imports _rank from nemo_fp4qat.qat.calibration.calibrate"
     ]
-    assert private_imports("from .calibration import __all__, sync\n", "nemo_fp4qat.qat.gptq") == []
+    assert private_imports("from .calibration import __all__, sync\n", "nemo_fp4qat.qat.calibration.gptq") == []
     kernel = frozenset({"nemo_fp4qat.numerics._kernel"})  # a private submodule, imported by its sibling
     assert private_imports("from . import _kernel\n", "nemo_fp4qat.numerics.triton", modules=kernel) == []

@@ -18,16 +18,16 @@ front ends, so policies, schedules, calibration and export behave identically):
 * QAD (``QATConfig.distillation``): at ``on_train_start``, once Bridge has loaded the weights, a frozen copy of
   the model with its quantizers off becomes the teacher (or the megatron-core model given as the teacher), and
   its per-token KL takes the cross entropy's place inside the student
-  (:class:`~nemo_fp4qat.qat.megatron_distillation.MegatronDistiller`), so Bridge's loss reduction and logging
+  (:class:`~nemo_fp4qat.qat.distillation.megatron.MegatronDistiller`), so Bridge's loss reduction and logging
   stay as they are; under tensor parallelism the teacher is sharded like the student and the KL is computed
   over the vocabulary-parallel logits without gathering them; under pipeline parallelism each stage's teacher runs
   beside the student's stage and hands its hidden states on over a process group of its own. The copied teacher's
   weights are saved once beside the checkpoints (``<save>/nemo_fp4qat_teacher.pt``, each tensor-parallel rank and
   pipeline stage its part) so that a resumed run distils from the same teacher.
 * Pipeline parallelism: each stage calibrates its own layers on the same first micro-batches, inside Bridge's
-  schedule (:class:`~nemo_fp4qat.qat.pipeline_parallel.StagedForward`), every stage's state is saved in one file
+  schedule (:class:`~nemo_fp4qat.qat.parallel.pipeline.StagedForward`), every stage's state is saved in one file
   and taken back by its stage. Under tensor and/or pipeline parallelism the end-of-training export assembles the
-  whole model on rank 0 (:func:`~nemo_fp4qat.qat.whole_model.gather_whole_model`).
+  whole model on rank 0 (:func:`~nemo_fp4qat.qat.parallel.whole_model.gather_whole_model`).
 """
 
 from __future__ import annotations
@@ -43,16 +43,16 @@ import torch
 import torch.nn as nn
 
 from ..numerics.weight_reuse import WeightReuse
-from ..qat.batches import collect_batches
+from ..qat.calibration.batches import collect_batches
 from ..qat.config import QATConfig
 from ..qat.controller import QATController
 from ..qat.deploy_precision import refuse_deploy_dtype
-from ..qat.distillation import DistillationConfig
-from ..qat.megatron_distillation import MegatronDistiller, freeze, frozen_copy, require_megatron_loss
-from ..qat.moe import grouped_experts_error
-from ..qat.pipeline_parallel import StagedForward, every_stage, this_stage
-from ..qat.policy import LayerPolicy
-from ..qat.whole_model import alone_on_rank_0, at_size_one, gather_whole_model, sharded_over_ranks
+from ..qat.distillation.distiller import DistillationConfig
+from ..qat.distillation.megatron import MegatronDistiller, freeze, frozen_copy, require_megatron_loss
+from ..qat.experts.moe import grouped_experts_error
+from ..qat.parallel.pipeline import StagedForward, every_stage, this_stage
+from ..qat.parallel.whole_model import alone_on_rank_0, at_size_one, gather_whole_model, sharded_over_ranks
+from ..qat.policy.rules import LayerPolicy
 from ..specs import ConfigError, from_fields
 
 __all__ = ["STATE_FILE", "TEACHER_FILE", "FP4QATBridgeCallback", "bridge_gpt_forward"]
@@ -119,9 +119,9 @@ def unwrap_model_chunk(model: Any) -> nn.Module:
 def refuse_grouped_gemm(provider: Any, policy: LayerPolicy) -> None:
     """Refuse, before any module is built, a mixture-of-experts provider whose ``moe_grouped_gemm`` builds grouped
     experts unless ``policy`` keeps the experts in 16 bits on purpose: the quantizers would miss them
-    (:func:`~nemo_fp4qat.qat.moe.refuse_grouped_experts` refuses the built model too). megatron-core >= 0.16 builds
-    them under Transformer Engine (``TEGroupedMLP``; ``InferenceGroupedMLP`` for ``inference_optimized``); its local
-    spec builds ``SequentialMLP`` whatever the flag says.
+    (:func:`~nemo_fp4qat.qat.experts.moe.refuse_grouped_experts` refuses the built model too). megatron-core >= 0.16
+    builds them under Transformer Engine (``TEGroupedMLP``; ``InferenceGroupedMLP`` for ``inference_optimized``); its
+    local spec builds ``SequentialMLP`` whatever the flag says.
 
     Raises:
         ConfigError: naming the provider's setting and the fix.

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..megatron_cpu import patched
-from ..qat.policy import LayerPolicy, PolicyTable
+from ..qat.policy.rules import LayerPolicy, PolicyTable
 
 __all__ = ["describe_run", "experts_as_one_row", "is_hybrid", "launch", "plan_substitutions", "policy_plan"]
 

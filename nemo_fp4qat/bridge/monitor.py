@@ -26,9 +26,9 @@ from ..monitor.experts import ExpertLoad, expert_load_findings
 from ..monitor.findings import Finding, MonitorThresholds, add_finding, check_layer
 from ..monitor.report import summary_table, write_report
 from ..monitor.stages import exchange_findings, merge_stage_records
-from ..qat.parallel_groups import data_parallel_group
-from ..qat.pipeline_parallel import pipeline_world_size
-from ..qat.stage_names import stage_layer_offset, to_global_name
+from ..qat.parallel.groups import data_parallel_group
+from ..qat.parallel.pipeline import pipeline_world_size
+from ..qat.parallel.stage_names import stage_layer_offset, to_global_name
 from ..specs import ConfigError
 from .callback import BridgeCallbackBase, FP4QATBridgeCallback, global_rank, unwrap_model_chunk
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from .training import token_windows, train_lm
 
 if TYPE_CHECKING:
-    from ..qat.policy import LayerPolicy
+    from ..qat.policy.rules import LayerPolicy
 
 __all__ = ["DEMO_POLICIES", "DemoConfig", "run_demo"]
 
@@ -77,11 +77,11 @@ class DemoConfig:
     schedule: str = "progressive"
     distill_alpha: float = 0.0
     # The recipe's deployable lever: activation smoothing of the gate/up inputs folded into the norms
-    # (``nemo_fp4qat.qat.smoothing``; None/False: off). The QAT stage starts from the PTQ it makes; the plain
-    # max-calibrated PTQ is measured too, as the recovery's reference. The plugin's NVFP4 block scale search
-    # (``nemo_fp4qat.qat.block_scale_search``, a weight clip) is off: on this policy it wins PTQ but holds QAD back
-    # on every seed measured (benchmarks/results/scale_levers.md: QAD gap 9.8 / 9.7 / 8.9% without it, 12.2 / 11.3
-    # / 9.7% with it); on the `default` preset it helped (benchmarks/results/levers.md).
+    # (``nemo_fp4qat.qat.calibration.smoothing``; None/False: off). The QAT stage starts from the PTQ it makes;
+    # the plain max-calibrated PTQ is measured too, as the recovery's reference. The plugin's NVFP4 block scale
+    # search (``nemo_fp4qat.qat.calibration.block_scale_search``, a weight clip) is off: on this policy it wins PTQ
+    # but holds QAD back on every seed measured (benchmarks/results/scale_levers.md: QAD gap 9.8 / 9.7 / 8.9% without
+    # it, 12.2 / 11.3 / 9.7% with it); on the `default` preset it helped (benchmarks/results/levers.md).
     smoothing: Any = field(default_factory=lambda: {"sites": ["mlp_in"], "alpha": 0.5})
     block_scale_search: bool | float = False
     # modelopt's GPTQ after calibration (``CalibrationConfig.gptq``): the QAT stage starts from GPTQ-rounded weights
@@ -101,8 +101,8 @@ class DemoConfig:
     deploy_dtype: str | None = "float16"
 
     def __post_init__(self) -> None:
-        from ..qat.calibration import CalibrationConfig
-        from ..qat.smoothing import SmoothingConfig
+        from ..qat.calibration.calibrate import CalibrationConfig
+        from ..qat.calibration.smoothing import SmoothingConfig
 
         if self.moe:
             if self.policy in DEMO_POLICIES:  # they name SmolLM2's dense MLP layers
@@ -118,7 +118,7 @@ class DemoConfig:
 
     def layer_policy(self) -> LayerPolicy:
         """The policy ``policy`` names (a name in :data:`DEMO_POLICIES`, a preset or a YAML file)."""
-        from ..qat.policy import LayerPolicy
+        from ..qat.policy.rules import LayerPolicy
         from ..specs import ConfigError
 
         try:
@@ -134,7 +134,7 @@ class DemoConfig:
 
 def _lever_names(cfg: DemoConfig) -> list[str]:
     """The deployable levers ``cfg`` turns on, as the report names them."""
-    from ..qat.smoothing import SmoothingConfig
+    from ..qat.calibration.smoothing import SmoothingConfig
 
     names = []
     sm = SmoothingConfig.resolve_spec(cfg.smoothing)

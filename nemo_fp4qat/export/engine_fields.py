@@ -20,8 +20,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..qat.fused_siblings import ENGINE_FUSED_NAMES
-from ..qat.moe import split_expert_name
+from ..qat.experts.moe import split_expert_name
+from ..qat.policy.fused_siblings import ENGINE_FUSED_NAMES
 
 __all__ = [
     "FUSED_SHARDS",

@@ -31,10 +31,10 @@ import torch
 import torch.nn as nn
 
 from ..numerics.cpu_shims import modelopt_export_on_cpu
-from ..qat.moe import split_expert_name
-from ..qat.policy import is_quantizable_linear
-from ..qat.scale_levers import fold_learned_scales
-from ..qat.w4a8_scaling import w4a8_export_amax
+from ..qat.calibration.scale_levers import fold_learned_scales
+from ..qat.calibration.w4a8_scaling import w4a8_export_amax
+from ..qat.experts.moe import split_expert_name
+from ..qat.policy.rules import is_quantizable_linear
 from ..specs import from_fields
 from .atomic import atomic_directory, write_manifest
 from .engine_dtype import round_unquantized_tensors

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from ..numerics.formats import format_name_of, get_format
-from ..qat.fused_experts import is_transposed_experts
+from ..qat.experts.fused import is_transposed_experts
 from .runtime_support import ExportRefused, LayerFormat
 from .validation_report import ValidationReport
 

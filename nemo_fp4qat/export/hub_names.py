@@ -41,7 +41,7 @@ def model_name_resolver(model: nn.Module) -> Callable[[str], str]:
     """A function from an exported module name to the name of the module that holds it in ``model``: the name
     renamed as ``from_pretrained`` would load it, an expert linear merged into a fused projection named
     ``<container>.experts.<i>.gate_proj`` / ``up_proj`` / ``down_proj`` (what
-    :func:`~nemo_fp4qat.qat.fused_experts.fused_expert_reference` reads). Identity where transformers has no
+    :func:`~nemo_fp4qat.qat.experts.fused.fused_expert_reference` reads). Identity where transformers has no
     mapping."""
     # a prefix change (Qwen3.5's ``model.language_model.`` on the hub) is applied on save or not, depending on how the
     # model was made: the name is read both ways, and the one the model holds wins

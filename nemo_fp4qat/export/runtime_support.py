@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from ..numerics.formats import QuantFormat, format_of_quantizer
+from ..qat.calibration.w4a8_scaling import calibrated_w4a8_layers, w4a8_export_amax
 from ..qat.modelopt_compat import uses_list_config
-from ..qat.policy import ENGINE_RUNTIMES, RUNTIMES, is_quantizer
-from ..qat.w4a8_scaling import calibrated_w4a8_layers, w4a8_export_amax
+from ..qat.policy.rules import ENGINE_RUNTIMES, RUNTIMES, is_quantizer
 
 __all__ = [
     "ENGINE_QUANT_ALGOS",
@@ -115,7 +115,7 @@ def _mixed_fused_siblings(model: nn.Module, layers: list[LayerFormat]) -> list[s
     """Fused siblings (q/k/v, gate/up) in different formats: modelopt's exporters assert "Modules have different
     quantization formats", and the engines load each group as one GEMM in one format (vLLM raises "Mixed
     quant_algo within fused layer"; TensorRT-LLM and SGLang fuse them too)."""
-    from ..qat.fused_siblings import find_fused_siblings
+    from ..qat.policy.fused_siblings import find_fused_siblings
 
     modules = dict(model.named_modules())
     formats = {lf.module: (lf.weight.name, _input_format(getattr(modules[lf.module], "input_quantizer", None)))

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from ..architectures import fused_sibling_sets
-from ..qat.moe import expert_projections
+from ..qat.experts.moe import expert_projections
 from .atomic import file_sha256, read_manifest
 from .engine_fields import engine_field_problems, is_fused_alias, layer_entry
 from .gpt_oss_mxfp4 import is_gpt_oss_mxfp4_checkpoint, validate_gpt_oss_mxfp4

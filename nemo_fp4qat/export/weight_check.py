@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..qat.fused_experts import fused_expert_reference
+from ..qat.experts.fused import fused_expert_reference
 from .layout import FP4_ALGOS, NVFP4_WEIGHT_ALGOS
 from .reader import head_counts
 from .unpack import E2M1_VALUES, dequantize_linear, e8m0_to_float, unpack_e2m1_codes

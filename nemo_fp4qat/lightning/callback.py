@@ -29,13 +29,13 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from ..numerics.cpu_backend import set_cuda_nvfp4_kernel
 from ..numerics.weight_reuse import WeightReuse, clear_weight_reuse
-from ..qat.calibration import collect_batches
+from ..qat.calibration.calibrate import collect_batches
+from ..qat.calibration.scale_levers import learned_scale_parameters
 from ..qat.config import QATConfig
 from ..qat.controller import QATController
 from ..qat.deploy_precision import AUTO, DEPLOY_DTYPES, DeployPrecision
-from ..qat.distillation import DistillationConfig, Distiller
-from ..qat.policy import is_quantizable_linear
-from ..qat.scale_levers import learned_scale_parameters
+from ..qat.distillation.distiller import DistillationConfig, Distiller
+from ..qat.policy.rules import is_quantizable_linear
 from ..specs import from_fields
 from .patches import MethodPatches
 

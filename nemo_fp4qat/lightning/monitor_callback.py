@@ -36,9 +36,9 @@ from ..monitor.findings import ACTIONS, Finding, MonitorThresholds, add_finding,
 from ..monitor.report import summary_table, write_report
 from ..monitor.stages import exchange_findings, merge_stage_records
 from ..numerics.metrics import quantization_error
-from ..qat.moe import module_standing_for
-from ..qat.parallel_groups import data_parallel_group
-from ..qat.stage_names import stage_layer_offset, to_global_name
+from ..qat.experts.moe import module_standing_for
+from ..qat.parallel.groups import data_parallel_group
+from ..qat.parallel.stage_names import stage_layer_offset, to_global_name
 
 __all__ = ["QuantizationMonitor"]
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from ..numerics.metrics import quantization_error, weight_statistics
-from ..qat.fused_experts import expert_weight_quantizers
+from ..qat.experts.fused import expert_weight_quantizers
 
 __all__ = ["amax_of", "analyze_model", "quantized_layers"]
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..qat.moe import is_router
+from ..qat.experts.moe import is_router
 
 __all__ = ["ExpertLoad", "expert_load_findings", "starved_experts"]
 

@@ -23,10 +23,10 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from ..lightning.callback import CHECKPOINT_KEY, FP4QATCallback
 from ..qat.deploy_precision import refuse_deploy_dtype
-from ..qat.distillation import DistillationConfig
-from ..qat.megatron_distillation import require_megatron_loss
-from ..qat.pipeline_parallel import every_stage, pipeline_forward, pipeline_world_size, this_stage
-from ..qat.whole_model import alone_on_rank_0, at_size_one, gather_whole_model, sharded_over_ranks
+from ..qat.distillation.distiller import DistillationConfig
+from ..qat.distillation.megatron import require_megatron_loss
+from ..qat.parallel.pipeline import every_stage, pipeline_forward, pipeline_world_size, this_stage
+from ..qat.parallel.whole_model import alone_on_rank_0, at_size_one, gather_whole_model, sharded_over_ranks
 
 __all__ = ["NeMoFP4QATCallback", "megatron_module", "nemo_gpt_forward"]
 
@@ -213,7 +213,7 @@ class NeMoFP4QATCallback(FP4QATCallback):
 
     def export_at_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Under tensor and/or pipeline parallelism the whole model is first assembled on global rank 0 from every
-        shard and stage (:func:`~nemo_fp4qat.qat.whole_model.gather_whole_model`), so the export holds every
+        shard and stage (:func:`~nemo_fp4qat.qat.parallel.whole_model.gather_whole_model`), so the export holds every
         layer whole."""
         if not sharded_over_ranks():
             super().export_at_end(trainer, pl_module)

@@ -1,9 +1,9 @@
 """QAD on the NeMo path: a frozen teacher restored from the base NeMo checkpoint teaches the quantized model.
 
-The Lightning path's :class:`~nemo_fp4qat.qat.distillation.Distiller` mixes a KD term into the loss a
+The Lightning path's :class:`~nemo_fp4qat.qat.distillation.distiller.Distiller` mixes a KD term into the loss a
 ``training_step`` returns. NeMo's ``training_step`` returns megatron-core's per-token cross entropy instead,
 so the KL takes the cross entropy's place inside the megatron-core model
-(:class:`~nemo_fp4qat.qat.megatron_distillation.MegatronDistiller`, shared with the Megatron-Bridge front end).
+(:class:`~nemo_fp4qat.qat.distillation.megatron.MegatronDistiller`, shared with the Megatron-Bridge front end).
 
 The teacher is built the way NeMo's own ``llm.distill`` builds one (``teacher_provider``: the model config's
 ``configure_model`` and the checkpoint's sharded weights), from the base checkpoint a recipe restores with
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..qat.megatron_distillation import MegatronDistiller, freeze, frozen_copy
+from ..qat.distillation.megatron import MegatronDistiller, freeze, frozen_copy
 
 __all__ = ["MegatronDistiller", "build_teacher"]
 

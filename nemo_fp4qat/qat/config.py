@@ -13,14 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..numerics.cpu_backend import CUDA_NVFP4_KERNELS
-from ..specs import ConfigError
-from .calibration import CalibrationConfig
-from .deploy_precision import AUTO, DeployPrecision
-from .distillation import DistillationConfig
-from .policy import LayerPolicy
-from .scale_levers import LearnedScalesConfig, require_levers, uses_static_weights
-from .schedule import PrecisionSchedule
+from nemo_fp4qat.numerics.cpu_backend import CUDA_NVFP4_KERNELS
+from nemo_fp4qat.qat.calibration.calibrate import CalibrationConfig
+from nemo_fp4qat.qat.calibration.scale_levers import LearnedScalesConfig, require_levers, uses_static_weights
+from nemo_fp4qat.qat.deploy_precision import AUTO, DeployPrecision
+from nemo_fp4qat.qat.distillation.distiller import DistillationConfig
+from nemo_fp4qat.qat.policy.rules import LayerPolicy
+from nemo_fp4qat.qat.schedule import PrecisionSchedule
+from nemo_fp4qat.specs import ConfigError
 
 __all__ = ["QATConfig", "check_levers"]
 
@@ -73,9 +73,9 @@ class QATConfig:
             (modelopt's own Triton kernel), or ``None``: ``NEMO_FP4QAT_CUDA_NVFP4``, else ``"exact"``. CPU
             tensors always use the exact CPU kernels.
         learned_scales: learned NVFP4 weight block scales (modelopt's LSQ): ``None`` (off), ``"post"``,
-            ``"dual"``, ``"scale_only"`` or a dict / :class:`~nemo_fp4qat.qat.scale_levers.LearnedScalesConfig`
-            with its learning rate (``{"mode": "post", "lr": 1e-4}``); needs modelopt >= 0.46 and the
-            ``direct`` schedule.
+            ``"dual"``, ``"scale_only"`` or a dict /
+            :class:`~nemo_fp4qat.qat.calibration.scale_levers.LearnedScalesConfig` with its learning rate (``{"mode":
+            "post", "lr": 1e-4}``); needs modelopt >= 0.46 and the ``direct`` schedule.
         deploy_dtype: ``"float16"`` or ``"bfloat16"``: a float32 run trains its unquantized weights (embeddings,
             norms, 16-bit linears) rounded to the dtype its export writes them in, straight-through, so the
             checkpoint holds what trained (:mod:`~nemo_fp4qat.qat.deploy_precision`); ``"auto"`` (default): the

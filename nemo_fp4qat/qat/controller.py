@@ -17,19 +17,22 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..numerics.formats import QuantFormat, get_format
-from ..numerics.weight_reuse import clear_weight_reuse
-from ..specs import ConfigError
-from .block_scale_search import DEFAULT_MIN_RATIO, BlockClip, clip_nvfp4_weights, input_second_moments
-from .calibration import CalibrationConfig, default_forward, run_calibration, sync_amax_across_ranks
-from .config import QATConfig, check_levers
-from .fused_experts import is_fused_projection, quantizer_glob, quantizer_owner
-from .fused_siblings import find_fused_siblings, share_fused_amax
-from .gptq import apply_gptq
-from .modelopt_compat import apply_quant_cfg, build_quant_cfg, calibration_algorithm
-from .moe import module_standing_for, tie_expert_amax
-from .policy import POLICY_PRESETS, LayerPolicy, PolicyTable, element_bits, is_quantizer
-from .scale_levers import (
+from nemo_fp4qat.numerics.formats import QuantFormat, get_format
+from nemo_fp4qat.numerics.weight_reuse import clear_weight_reuse
+from nemo_fp4qat.qat.calibration.block_scale_search import (
+    DEFAULT_MIN_RATIO,
+    BlockClip,
+    clip_nvfp4_weights,
+    input_second_moments,
+)
+from nemo_fp4qat.qat.calibration.calibrate import (
+    CalibrationConfig,
+    default_forward,
+    run_calibration,
+    sync_amax_across_ranks,
+)
+from nemo_fp4qat.qat.calibration.gptq import apply_gptq
+from nemo_fp4qat.qat.calibration.scale_levers import (
     LearnedScalesConfig,
     learned_scale_parameters,
     lever_algorithm,
@@ -38,9 +41,16 @@ from .scale_levers import (
     restore_lsq,
     uses_static_weights,
 )
-from .schedule import PrecisionSchedule, effective_format
-from .smoothing import SmoothingSite, smooth_model
-from .w4a8_scaling import scale_w4a8_weight_amax
+from nemo_fp4qat.qat.calibration.smoothing import SmoothingSite, smooth_model
+from nemo_fp4qat.qat.calibration.w4a8_scaling import scale_w4a8_weight_amax
+from nemo_fp4qat.qat.config import QATConfig, check_levers
+from nemo_fp4qat.qat.experts.fused import is_fused_projection, quantizer_glob, quantizer_owner
+from nemo_fp4qat.qat.experts.moe import module_standing_for, tie_expert_amax
+from nemo_fp4qat.qat.modelopt_compat import apply_quant_cfg, build_quant_cfg, calibration_algorithm
+from nemo_fp4qat.qat.policy.fused_siblings import find_fused_siblings, share_fused_amax
+from nemo_fp4qat.qat.policy.rules import POLICY_PRESETS, LayerPolicy, PolicyTable, element_bits, is_quantizer
+from nemo_fp4qat.qat.schedule import PrecisionSchedule, effective_format
+from nemo_fp4qat.specs import ConfigError
 
 __all__ = ["QATController"]
 

@@ -20,8 +20,8 @@ from typing import Any
 
 from packaging.version import Version
 
-from ..numerics.formats import QuantFormat, get_format
-from .fused_experts import quantizer_glob
+from nemo_fp4qat.numerics.formats import QuantFormat, get_format
+from nemo_fp4qat.qat.experts.fused import quantizer_glob
 
 __all__ = [
     "QuantizerAssignment",

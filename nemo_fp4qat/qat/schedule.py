@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..numerics.formats import FULL_PRECISION, QuantFormat, get_format
-from ..specs import ConfigError, did_you_mean, from_fields
-from .policy import element_bits
+from nemo_fp4qat.numerics.formats import FULL_PRECISION, QuantFormat, get_format
+from nemo_fp4qat.qat.policy.rules import element_bits
+from nemo_fp4qat.specs import ConfigError, did_you_mean, from_fields
 
 __all__ = ["SCHEDULE_PRESETS", "TARGET", "PrecisionSchedule", "Stage", "effective_format"]
 
@@ -134,7 +134,7 @@ class PrecisionSchedule:
         if s in SCHEDULE_PRESETS:
             return cls.preset(s)
         if s.endswith((".yaml", ".yml")) or Path(s).is_file():
-            from .config_io import instantiate_yaml
+            from nemo_fp4qat.qat.config_io import instantiate_yaml
 
             obj = instantiate_yaml(s, default_target=cls)
             if not isinstance(obj, PrecisionSchedule):

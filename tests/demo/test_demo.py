@@ -65,7 +65,7 @@ def test_the_demo_runs_the_policy_autoquantize_chose_and_the_benchmarks_measured
     from pathlib import Path
 
     from nemo_fp4qat.demo.pipeline import DemoConfig
-    from nemo_fp4qat.qat.policy import LayerPolicy
+    from nemo_fp4qat.qat.policy.rules import LayerPolicy
 
     root = Path(__file__).resolve().parents[2]
     shipped = DemoConfig().layer_policy()

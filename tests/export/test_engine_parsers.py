@@ -121,7 +121,7 @@ def test_vllm_and_sglang_load_the_demo_policys_smollm2_export_in_its_trained_for
     from nemo_fp4qat.demo.model import load_corpus, load_smollm2
     from nemo_fp4qat.demo.pipeline import DemoConfig
     from nemo_fp4qat.export.runtime_support import quantized_layers
-    from nemo_fp4qat.qat.fused_siblings import ENGINE_FUSED_NAMES
+    from nemo_fp4qat.qat.policy.fused_siblings import ENGINE_FUSED_NAMES
 
     model, tok = load_smollm2()
     ids = tok(load_corpus("emma")[:20_000])["input_ids"]

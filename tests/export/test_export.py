@@ -26,8 +26,8 @@ from nemo_fp4qat.export import (
     export_checkpoint,
     validate_export,
 )
+from nemo_fp4qat.qat.calibration.w4a8_scaling import is_w4a8
 from nemo_fp4qat.qat.modelopt_compat import uses_list_config
-from nemo_fp4qat.qat.w4a8_scaling import is_w4a8
 
 from reference_numerics import nvfp4_ref
 from tiny_models import FULL, VOCAB, calibrated_tiny_llama, tiny_llama

@@ -25,7 +25,7 @@ from nemo_fp4qat.export import ExportConfig, ExportRefused, export_checkpoint
 from nemo_fp4qat.export.deployed_model import load_deployed_model
 from nemo_fp4qat.export.runtime_support import quantized_layers
 from nemo_fp4qat.qat.modelopt_compat import uses_list_config
-from nemo_fp4qat.qat.policy import POLICY_PRESETS, TRTLLM_PRESETS
+from nemo_fp4qat.qat.policy.rules import POLICY_PRESETS, TRTLLM_PRESETS
 
 pytestmark = pytest.mark.twice("modelopt 0.37's exporters write what NeMo's export path deploys")
 
@@ -259,7 +259,7 @@ def test_learned_block_scales_on_smollm2_serve_exactly_what_trained(smollm2, tmp
     """The demo's policy with learned NVFP4 block scales (LSQ) moved off their calibration: the unified HF export
     validates with 0 FP4 codes different, and the model rebuilt from it computes the trained model's logits exactly
     (an ulp in a block scale, which the validator's tolerance allows, changes NVFP4 activation codes downstream)."""
-    from nemo_fp4qat.qat.scale_levers import learned_scale_parameters
+    from nemo_fp4qat.qat.calibration.scale_levers import learned_scale_parameters
 
     model = copy.deepcopy(smollm2[0])
     calibration = {"num_samples": 4, "smoothing": {"sites": ["mlp_in"]}}

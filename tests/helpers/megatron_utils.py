@@ -108,7 +108,7 @@ def tiny_moe_gpt(ep: int = 1, seed: int = 0, shared: bool = True):
 def expert_rank_state(full: dict, rank: int, ep: int) -> dict:
     """The state dict an expert-parallel rank holds, cut from the one-rank model's: global expert ``rank * n + i`` as
     ``local_experts.i`` (``n = experts / ep``), everything else whole."""
-    from nemo_fp4qat.qat.parallel_groups import local_expert_name
+    from nemo_fp4qat.qat.parallel.groups import local_expert_name
 
     per = MOE_EXPERTS // ep
     out = {}

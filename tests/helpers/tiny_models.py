@@ -141,7 +141,7 @@ def calibrated_tiny_llama(policy, hidden=128, seed=0, kv_cache=None, dtype=torch
     """A tiny Llama (in ``dtype``) moved off its initialisation, quantized per ``policy`` (a format name or preset)
     and calibrated: what export tests start from."""
     from nemo_fp4qat import LayerPolicy, QATController
-    from nemo_fp4qat.qat.policy import POLICY_PRESETS
+    from nemo_fp4qat.qat.policy.rules import POLICY_PRESETS
 
     model = tiny_llama(seed=seed, hidden=hidden)
     if isinstance(policy, str) and policy not in POLICY_PRESETS:

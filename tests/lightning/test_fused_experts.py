@@ -16,7 +16,7 @@ from tiny_moe import FUSED_MOE, OTHER_LAYOUT_MOE, build
 from nemo_fp4qat import QATController
 from nemo_fp4qat.export import ExportConfig, export_checkpoint
 from nemo_fp4qat.monitor.experts import ExpertLoad
-from nemo_fp4qat.qat.fused_experts import fused_expert_containers
+from nemo_fp4qat.qat.experts.fused import fused_expert_containers
 from nemo_fp4qat.specs import ConfigError
 
 from tiny_models import qad_fit

@@ -10,7 +10,7 @@ from tiny_hybrids import build
 
 from nemo_fp4qat.export import ExportConfig, export_checkpoint
 from nemo_fp4qat.export.hub_names import model_name_resolver
-from nemo_fp4qat.qat.fused_experts import is_fused_projection
+from nemo_fp4qat.qat.experts.fused import is_fused_projection
 
 from tiny_models import qad_fit
 

@@ -13,8 +13,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from nemo_fp4qat import FP4QATCallback
 from nemo_fp4qat.export import export_checkpoint
+from nemo_fp4qat.qat.calibration.scale_levers import learned_scale_parameters
 from nemo_fp4qat.qat.modelopt_compat import uses_list_config
-from nemo_fp4qat.qat.scale_levers import learned_scale_parameters
 
 from tiny_models import LitLM, loader, tiny_llama
 

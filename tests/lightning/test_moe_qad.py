@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from nemo_fp4qat import FP4QATCallback
 from nemo_fp4qat.export import ExportConfig, ExportRefused, export_checkpoint, validate_export
-from nemo_fp4qat.qat.moe import expert_projections
+from nemo_fp4qat.qat.experts.moe import expert_projections
 
 from tiny_models import LitLM, loader, per_expert_linears, tiny_moe
 

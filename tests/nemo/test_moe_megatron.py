@@ -30,7 +30,7 @@ def _worker(rank: int, world: int, init: str, folder: str, out: dict) -> None:
 
     from nemo_fp4qat import QATController
     from nemo_fp4qat.nemo import megatron_cpu_mode
-    from nemo_fp4qat.qat.megatron_distillation import frozen_copy
+    from nemo_fp4qat.qat.distillation.megatron import frozen_copy
 
     from megatron_utils import expert_rank_state, gpt_inputs, tiny_moe_gpt
 
@@ -100,7 +100,7 @@ def _spawn(world: int, tmp_path, tag: str) -> dict:
 
 def _global(name: str, rank: int, per: int = 2) -> str:
     """A local expert's name on an expert-parallel rank -> its name in the one-rank model."""
-    from nemo_fp4qat.qat.parallel_groups import global_expert_name
+    from nemo_fp4qat.qat.parallel.groups import global_expert_name
 
     return global_expert_name(name, rank * per)
 

@@ -131,7 +131,7 @@ def test_pipeline_stage_state_refuses_another_pipeline_size():
     """A checkpoint's per-stage QAT state cannot be resumed at another pipeline-parallel size: the message names
     the size it was saved with and how to start from its weights instead."""
     from nemo_fp4qat.nemo.callback import NeMoFP4QATCallback
-    from nemo_fp4qat.qat.pipeline_parallel import STAGES_KEY, this_stage
+    from nemo_fp4qat.qat.parallel.pipeline import STAGES_KEY, this_stage
 
     with pytest.raises(ValueError, match=r"pipeline_model_parallel_size=2 .*resumed with 1.*pretrained checkpoint"):
         this_stage({STAGES_KEY: [{"controller": {}}, {"controller": {}}]})

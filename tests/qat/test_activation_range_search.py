@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from nemo_fp4qat import QATController
 from nemo_fp4qat.numerics.fake_quant import fake_quant_nvfp4
-from nemo_fp4qat.qat.fused_siblings import find_fused_siblings
+from nemo_fp4qat.qat.policy.fused_siblings import find_fused_siblings
 
 from paths import ROOT
 from tiny_models import VOCAB, tiny_llama

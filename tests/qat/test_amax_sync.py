@@ -16,7 +16,7 @@ from two_ranks import run_two_ranks
 
 def _model(rank: int, mismatch: bool) -> nn.Module:
     from nemo_fp4qat import QATController
-    from nemo_fp4qat.qat.calibration import run_calibration
+    from nemo_fp4qat.qat.calibration.calibrate import run_calibration
 
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 4))
@@ -43,7 +43,7 @@ def _tensor_parallel(rank: int) -> dict:
     Then with a TP group of one rank (TP size 1: every rank holds every channel) all three are synced."""
     from modelopt.torch.utils.distributed import ParallelState
 
-    from nemo_fp4qat.qat.calibration import sync_amax_across_ranks
+    from nemo_fp4qat.qat.calibration.calibrate import sync_amax_across_ranks
 
     m = _model(rank, mismatch=False)
     for layer in m:
@@ -58,7 +58,7 @@ def _tensor_parallel(rank: int) -> dict:
 
 
 def _worker(rank: int, init: str, mode: str, out: dict) -> None:
-    from nemo_fp4qat.qat.calibration import sync_amax_across_ranks
+    from nemo_fp4qat.qat.calibration.calibrate import sync_amax_across_ranks
 
     # a timeout, so a rank whose peer left raises instead of waiting forever in the collective
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
@@ -105,7 +105,7 @@ def test_amax_becomes_the_max_over_ranks_and_a_tensor_parallel_shard_keeps_its_c
 
 def test_without_a_process_group_the_sync_is_a_no_op():
     pytest.importorskip("modelopt")
-    from nemo_fp4qat.qat.calibration import sync_amax_across_ranks
+    from nemo_fp4qat.qat.calibration.calibrate import sync_amax_across_ranks
 
     assert not dist.is_initialized()
     m = _model(0, mismatch=False)

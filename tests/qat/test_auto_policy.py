@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nemo_fp4qat import LayerPolicy
-from nemo_fp4qat.qat.auto_policy import auto_policy
+from nemo_fp4qat.qat.policy.auto import auto_policy
 from nemo_fp4qat.specs import ConfigError
 
 from tiny_models import VOCAB, tiny_llama, tiny_moe

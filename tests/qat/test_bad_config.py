@@ -7,9 +7,9 @@ import pytest
 
 from nemo_fp4qat import FP4QATCallback, LayerPolicy, PrecisionSchedule, QATController, QuantizationMonitor
 from nemo_fp4qat.export import ExportConfig
-from nemo_fp4qat.qat.calibration import CalibrationConfig
-from nemo_fp4qat.qat.distillation import DistillationConfig
-from nemo_fp4qat.qat.policy import PolicyRule
+from nemo_fp4qat.qat.calibration.calibrate import CalibrationConfig
+from nemo_fp4qat.qat.distillation.distiller import DistillationConfig
+from nemo_fp4qat.qat.policy.rules import PolicyRule
 from nemo_fp4qat.specs import ConfigError
 
 from tiny_models import tiny_llama

@@ -18,8 +18,8 @@ from two_ranks import run_two_ranks
 from nemo_fp4qat import QATController
 from nemo_fp4qat.numerics.cpu_shims import modelopt_export_on_cpu
 from nemo_fp4qat.numerics.fake_quant import fake_quant_nvfp4
-from nemo_fp4qat.qat.block_scale_search import search_nvfp4_block_clip
-from nemo_fp4qat.qat.calibration import CalibrationConfig
+from nemo_fp4qat.qat.calibration.block_scale_search import search_nvfp4_block_clip
+from nemo_fp4qat.qat.calibration.calibrate import CalibrationConfig
 
 from reference_numerics import minifloat_values, round_ref
 from tiny_models import VOCAB, tiny_llama
@@ -158,7 +158,7 @@ def test_calibration_clips_nvfp4_weights_once_and_nothing_else():
 
 def test_a_disabled_nvfp4_weight_quantizer_is_not_searched():
     """A layer whose NVFP4 weight quantizer is switched off trains and deploys unquantized: no clip."""
-    from nemo_fp4qat.qat.block_scale_search import clip_nvfp4_weights
+    from nemo_fp4qat.qat.calibration.block_scale_search import clip_nvfp4_weights
 
     _, model = _calibrated(False)
     mods = dict(model.named_modules())
@@ -237,7 +237,7 @@ def test_small_block_scales_reach_the_smallest_e4m3_codes():
 
 
 def test_an_unusable_amax_leaves_the_weight_as_it_is_and_reports_no_clip():
-    from nemo_fp4qat.qat.block_scale_search import BlockClip
+    from nemo_fp4qat.qat.calibration.block_scale_search import BlockClip
 
     w = _weight(3, 4, 5)
     for weight, amax in ((torch.zeros(3, 64), torch.tensor(0.0)), (w, torch.tensor(0.0)),
@@ -301,7 +301,7 @@ def test_rows_that_end_in_a_partial_block_are_searched_as_zero_padded():
 
 
 def test_an_uncalibrated_nvfp4_layer_is_skipped_and_the_rest_are_clipped():
-    from nemo_fp4qat.qat.block_scale_search import clip_nvfp4_weights
+    from nemo_fp4qat.qat.calibration.block_scale_search import clip_nvfp4_weights
 
     _, model = _calibrated(False)
     mods = dict(model.named_modules())
@@ -315,7 +315,7 @@ def test_an_uncalibrated_nvfp4_layer_is_skipped_and_the_rest_are_clipped():
 
 
 def test_input_moments_are_each_layers_mean_square_over_every_batch_for_the_layers_asked():
-    from nemo_fp4qat.qat.block_scale_search import input_second_moments
+    from nemo_fp4qat.qat.calibration.block_scale_search import input_second_moments
 
     _, model = _calibrated(False)
     batches = [b[:, : 4 + 3 * i] for i, b in enumerate(_batches())]  # batches of different token counts

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from nemo_fp4qat import QATController
-from nemo_fp4qat.qat.calibration import (
+from nemo_fp4qat.qat.calibration.calibrate import (
     CalibrationConfig,
     collect_batches,
     default_forward,
@@ -187,7 +187,7 @@ def test_sample_counts_outside_100_to_500_warn_at_the_callers_line_and_inside_do
 
 
 def test_smoothing_is_resolved_into_its_config():
-    from nemo_fp4qat.qat.smoothing import SmoothingConfig
+    from nemo_fp4qat.qat.calibration.smoothing import SmoothingConfig
 
     assert CalibrationConfig(num_samples=128, smoothing=0.6).smoothing == SmoothingConfig(alpha=0.6)
     assert CalibrationConfig(num_samples=128).smoothing is None

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nemo_fp4qat import QATController
-from nemo_fp4qat.qat.calibration import run_calibration
+from nemo_fp4qat.qat.calibration.calibrate import run_calibration
 
 from tiny_models import VOCAB, tiny_llama
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nemo_fp4qat import DistillationConfig, FP4QATCallback
-from nemo_fp4qat.qat.distillation import Distiller, kd_loss, kd_per_token
+from nemo_fp4qat.qat.distillation.distiller import Distiller, kd_loss, kd_per_token
 
 from tiny_models import LitLM, MegatronStyleGPT, PatternTokens, loader
 
@@ -136,7 +136,7 @@ def test_kl_mse_adds_the_last_hidden_states_relative_error_to_the_kl():
 
 
 def test_distillation_losses_the_front_end_cannot_run_are_refused_by_name():
-    from nemo_fp4qat.qat.megatron_distillation import require_megatron_loss
+    from nemo_fp4qat.qat.distillation.megatron import require_megatron_loss
     from nemo_fp4qat.specs import ConfigError
 
     with pytest.raises(ConfigError, match=r"distillation loss='ce' is not one of \['kl', 'jsd', 'kl_mse'\]"):

@@ -10,9 +10,9 @@ import torch
 
 from nemo_fp4qat import QATController
 from nemo_fp4qat.export import ExportConfig, export_checkpoint, validate_export
-from nemo_fp4qat.qat.calibration import CalibrationConfig
+from nemo_fp4qat.qat.calibration.calibrate import CalibrationConfig
+from nemo_fp4qat.qat.calibration.gptq import GPTQConfig, apply_gptq
 from nemo_fp4qat.qat.config import QATConfig
-from nemo_fp4qat.qat.gptq import GPTQConfig, apply_gptq
 from nemo_fp4qat.specs import ConfigError
 
 from tiny_models import VOCAB, tiny_llama
@@ -57,7 +57,7 @@ def test_gptq_on_max_scales_rounds_the_weights_as_modelopts_own_gptq_algorithm(f
     block's columns, which these formats allow), modelopt calibrates max itself and quantizes the whole matrix."""
     import modelopt.torch.quantization as mtq
 
-    import nemo_fp4qat.qat.gptq as gptq_module
+    import nemo_fp4qat.qat.calibration.gptq as gptq_module
 
     sliced = []
     alike = gptq_module._slices_alike

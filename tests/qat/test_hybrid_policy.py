@@ -14,8 +14,8 @@ import torch
 from tiny_hybrids import HYBRIDS, build
 
 from nemo_fp4qat import LayerPolicy, QATController
-from nemo_fp4qat.qat.fused_experts import unsupported_fused_experts
-from nemo_fp4qat.qat.policy import LINEAR_ATTENTION, POLICY_PRESETS, SSM_MIXER
+from nemo_fp4qat.qat.experts.fused import unsupported_fused_experts
+from nemo_fp4qat.qat.policy.rules import LINEAR_ATTENTION, POLICY_PRESETS, SSM_MIXER
 from nemo_fp4qat.specs import ConfigError
 
 pytestmark = pytest.mark.twice("policies become modelopt 0.37's quantizer configs (its dict form) and its calibration")

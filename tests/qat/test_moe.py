@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from nemo_fp4qat import LayerPolicy, QATController
-from nemo_fp4qat.qat.moe import expert_projections, split_expert_name, tie_expert_amax
-from nemo_fp4qat.qat.policy import POLICY_PRESETS
+from nemo_fp4qat.qat.experts.moe import expert_projections, split_expert_name, tie_expert_amax
+from nemo_fp4qat.qat.policy.rules import POLICY_PRESETS
 from nemo_fp4qat.specs import ConfigError
 
 from tiny_models import FULL, VOCAB, per_expert_linears, tiny_moe
@@ -208,7 +208,7 @@ def test_a_switch_recalibrates_and_keeps_the_experts_tied():
 
 
 def test_a_finding_about_an_expert_stands_for_a_module_it_holds():
-    from nemo_fp4qat.qat.moe import module_standing_for
+    from nemo_fp4qat.qat.experts.moe import module_standing_for
 
     hf = ["model.layers.0.mlp.experts.3.gate_proj", "model.layers.0.mlp.experts.3.down_proj", "model.layers.0.mlp.gate"]
     assert module_standing_for("model.layers.0.mlp.gate", hf) == "model.layers.0.mlp.gate"

@@ -121,14 +121,14 @@ def test_w4a8_preset_keeps_fp4_weights_and_8_bit_inputs():
 @pytest.mark.parametrize("path", sorted((CONF / "policy").glob("*.yaml")), ids=lambda p: p.stem)
 def test_each_conf_policy_file_is_its_preset(path):
     """A user who switches from ``policy="<name>"`` to ``conf/policy/<name>.yaml`` gets the same run."""
-    from nemo_fp4qat.qat.policy import POLICY_PRESETS
+    from nemo_fp4qat.qat.policy.rules import POLICY_PRESETS
 
     assert path.stem in POLICY_PRESETS, f"{path} has no preset of the same name"
     assert LayerPolicy.resolve_spec(str(path)).to_dict() == LayerPolicy.preset(path.stem).to_dict()
 
 
 def test_default_deploys_to_tensorrt_llm_and_the_mxfp8_preset_says_it_does_not():
-    from nemo_fp4qat.qat.policy import TRTLLM_PRESETS
+    from nemo_fp4qat.qat.policy.rules import TRTLLM_PRESETS
 
     assert "default" in TRTLLM_PRESETS and LayerPolicy.preset("default").runtime == "trtllm"
     assert "conservative_attention" not in TRTLLM_PRESETS

@@ -1,15 +1,16 @@
-"""The scale levers' configuration (:mod:`nemo_fp4qat.qat.scale_levers`): one spelling each, modelopt's algorithm for
-each choice, refusals that name the fix (and the modelopt version that has a lever), and the static weight config."""
+"""The scale levers' configuration (:mod:`nemo_fp4qat.qat.calibration.scale_levers`): one spelling each, modelopt's
+algorithm for each choice, refusals that name the fix (and the modelopt version that has a lever), and the static
+weight config."""
 
 from __future__ import annotations
 
 import pytest
 
 from nemo_fp4qat import QATConfig
-from nemo_fp4qat.qat import scale_levers
-from nemo_fp4qat.qat.calibration import CalibrationConfig
+from nemo_fp4qat.qat.calibration import scale_levers
+from nemo_fp4qat.qat.calibration.calibrate import CalibrationConfig
+from nemo_fp4qat.qat.calibration.scale_levers import LearnedScalesConfig, lever_algorithm, make_weights_static
 from nemo_fp4qat.qat.modelopt_compat import uses_list_config
-from nemo_fp4qat.qat.scale_levers import LearnedScalesConfig, lever_algorithm, make_weights_static
 from nemo_fp4qat.specs import ConfigError
 
 pytestmark = pytest.mark.twice("policies become modelopt 0.37's quantizer configs (its dict form) and its calibration")

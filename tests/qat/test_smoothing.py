@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 
 from nemo_fp4qat import QATController
-from nemo_fp4qat.qat.calibration import CalibrationConfig
-from nemo_fp4qat.qat.smoothing import SmoothingConfig, find_smoothing_sites, smooth_model
+from nemo_fp4qat.qat.calibration.calibrate import CalibrationConfig
+from nemo_fp4qat.qat.calibration.smoothing import SmoothingConfig, find_smoothing_sites, smooth_model
 
 from tiny_models import VOCAB, tiny_llama
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_fp4qat.qat.w4a8_scaling import training_amax
+from nemo_fp4qat.qat.calibration.w4a8_scaling import training_amax
 
 pytestmark = pytest.mark.twice("policies become modelopt 0.37's quantizer configs (its dict form) and its calibration")
 

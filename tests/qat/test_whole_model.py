@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_fp4qat.qat.whole_model import merge_tensor_parallel_shards
+from nemo_fp4qat.qat.parallel.whole_model import merge_tensor_parallel_shards
 
 TP = 2
 # whole-model name -> (partition dim, gated fc1); anything else is replicated

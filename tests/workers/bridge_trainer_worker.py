@@ -47,7 +47,7 @@ def same_model_at_any_tp(chunks):
     import torch
     from megatron.core import parallel_state
 
-    from nemo_fp4qat.qat.stage_names import stage_layer_offset, to_global_name
+    from nemo_fp4qat.qat.parallel.stage_names import stage_layer_offset, to_global_name
 
     rank, size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
     offset = stage_layer_offset(chunks[0])
@@ -204,7 +204,7 @@ if __name__ == "__main__":
                 record["tp"] = parallel_state.get_tensor_model_parallel_world_size()
                 record["pp"] = parallel_state.get_pipeline_model_parallel_world_size()
                 if MODEL == "moe":  # every expert's input amax, by its global index
-                    from nemo_fp4qat.qat.parallel_groups import first_local_expert, global_expert_name
+                    from nemo_fp4qat.qat.parallel.groups import first_local_expert, global_expert_name
 
                     module = unwrap_model(context.model[0])
                     offset = first_local_expert(module)

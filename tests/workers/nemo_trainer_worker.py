@@ -215,12 +215,12 @@ if __name__ == "__main__":
         with open(f"{out}.rank{rank}" if DEVICES > 1 else out, "w") as f:
             from megatron.core import parallel_state
 
-            from nemo_fp4qat.qat.stage_names import stage_layer_offset, to_global_name
+            from nemo_fp4qat.qat.parallel.stage_names import stage_layer_offset, to_global_name
 
             tp = parallel_state.get_tensor_model_parallel_world_size()
             mm, offset = megatron_module(model), stage_layer_offset(megatron_module(model))
 
-            from nemo_fp4qat.qat.parallel_groups import first_local_expert, global_expert_name
+            from nemo_fp4qat.qat.parallel.groups import first_local_expert, global_expert_name
 
             expert_offset = first_local_expert(mm) if EP else 0
 

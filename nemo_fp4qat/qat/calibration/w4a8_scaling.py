@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.nn as nn
 
-from ..numerics.formats import format_name_of
+from nemo_fp4qat.numerics.formats import format_name_of
 
 __all__ = [
     "W4A8_AMAX_FACTOR",

@@ -28,10 +28,16 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..numerics.fake_quant import blocked, nan_free_block_amax, nvfp4_global_scale, round_to_minifloat, unblocked
-from ..numerics.formats import format_name_of
-from .batches import forward_batches
-from .parallel_groups import all_reduce_flat, data_parallel_group
+from nemo_fp4qat.numerics.fake_quant import (
+    blocked,
+    nan_free_block_amax,
+    nvfp4_global_scale,
+    round_to_minifloat,
+    unblocked,
+)
+from nemo_fp4qat.numerics.formats import format_name_of
+from nemo_fp4qat.qat.calibration.batches import forward_batches
+from nemo_fp4qat.qat.parallel.groups import all_reduce_flat, data_parallel_group
 
 __all__ = ["DEFAULT_MIN_RATIO", "BlockClip", "clip_nvfp4_weights", "input_second_moments", "search_nvfp4_block_clip"]
 
@@ -133,7 +139,7 @@ def clip_nvfp4_weights(
     """Clip the weights of every calibrated NVFP4-weight layer (or those in ``modules``) in place.
 
     Runs after calibration: the search uses each weight quantizer's amax as training will (W4A8
-    layers' included, ``nemo_fp4qat.qat.w4a8_scaling``). ``channel_weights``: layer -> per-input-channel
+    layers' included, ``nemo_fp4qat.qat.calibration.w4a8_scaling``). ``channel_weights``: layer -> per-input-channel
     weight of the error (:func:`input_second_moments`). Returns the summary per layer.
     """
     with torch.no_grad():  # a block, not a decorator: mutmut skips decorated functions

@@ -16,7 +16,7 @@ whole per-token KL, as it holds the whole cross entropy, and back-propagates its
 Under pipeline parallelism the teacher is staged like the student (a copy of each stage on its rank, or a
 checkpoint loaded at the run's shape): every training forward of a student stage runs the teacher's same stage
 first, on the hidden states the previous teacher stage sent for that micro-batch, and sends its own on, on a
-process group of its own (:class:`~nemo_fp4qat.qat.pipeline_parallel.StagedForward`), so the schedule's
+process group of its own (:class:`~nemo_fp4qat.qat.parallel.pipeline.StagedForward`), so the schedule's
 point-to-point traffic is the student's alone; the last stage holds the teacher's logits when the student's
 loss is computed. The front ends call :meth:`MegatronDistiller.flush` when a step's schedule is over.
 """
@@ -29,8 +29,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..specs import ConfigError
-from .distillation import DistillationConfig
+from nemo_fp4qat.qat.distillation.distiller import DistillationConfig
+from nemo_fp4qat.specs import ConfigError
 
 __all__ = ["MegatronDistiller", "freeze", "frozen_copy", "quantizers_off"]
 
@@ -94,7 +94,7 @@ def _teacher_forward(teacher: nn.Module, inputs: tuple[tuple, dict]) -> Any:
 def _staged_teacher(student: nn.Module) -> Any:
     """The teacher's stage forward under pipeline parallelism (its process group created: a collective, every
     rank builds its distiller together), ``None`` without it."""
-    from .pipeline_parallel import StagedForward, pipeline_world_size
+    from nemo_fp4qat.qat.parallel.pipeline import StagedForward, pipeline_world_size
 
     if pipeline_world_size() == 1:
         return None

@@ -7,9 +7,9 @@ configuration:
   from the weights on every forward), ``"mse"`` (per block the least-squared-error scale, with modelopt's FP8
   scale sweep), ``"local_hessian"`` (the same error weighted by the layer input's per-block Hessian),
   ``"four_over_six"`` (per block the better of M = 6 and M = 4, modelopt's ``NVFP4_FOUR_OVER_SIX_CFG``), or
-  ``"search"`` (this plugin's own least-error clip, :mod:`nemo_fp4qat.qat.block_scale_search`). Every choice but
-  ``max`` and ``search`` makes NVFP4 weight quantizers *static*: the per-block amax is calibrated once and kept.
-* **activation scales** (``CalibrationConfig.act_scale``): ``"max"`` or ``"act_headroom"`` (modelopt's
+  ``"search"`` (this plugin's own least-error clip, :mod:`nemo_fp4qat.qat.calibration.block_scale_search`). Every
+  choice but ``max`` and ``search`` makes NVFP4 weight quantizers *static*: the per-block amax is calibrated once and
+kept. * **activation scales** (``CalibrationConfig.act_scale``): ``"max"`` or ``"act_headroom"`` (modelopt's
   ``nvfp4_act_headroom``: the NVFP4 activation global scale anchored at a low percentile of the per-block amax).
 * **learned scales** (``QATConfig.learned_scales``, :class:`LearnedScalesConfig`): modelopt's LSQ makes the
   calibrated per-block weight amax a trained parameter: ``"post"`` (the dequantization scale), ``"dual"`` (the
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..specs import ConfigError, did_you_mean, optional_spec
+from nemo_fp4qat.specs import ConfigError, did_you_mean, optional_spec
 
 __all__ = [
     "ACT_SCALES",
@@ -79,7 +79,7 @@ def require_levers(what: str) -> None:
     """Refuse ``what`` (a lever) on a modelopt without it, naming the version that has it."""
     from packaging.version import Version
 
-    from .modelopt_compat import modelopt_version
+    from nemo_fp4qat.qat.modelopt_compat import modelopt_version
 
     if modelopt_version() < Version(LEVERS_MODELOPT):
         raise ConfigError(

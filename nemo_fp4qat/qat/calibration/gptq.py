@@ -32,8 +32,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..specs import ConfigError, optional_spec
-from .batches import forward_batches
+from nemo_fp4qat.qat.calibration.batches import forward_batches
+from nemo_fp4qat.specs import ConfigError, optional_spec
 
 __all__ = ["GPTQConfig", "apply_gptq", "require_gptq"]
 
@@ -86,7 +86,7 @@ def require_gptq() -> None:
     try:
         from modelopt.torch.quantization.utils.calib_utils import GPTQHelper  # noqa: F401
     except ImportError:
-        from .modelopt_compat import modelopt_version
+        from nemo_fp4qat.qat.modelopt_compat import modelopt_version
 
         raise ConfigError(
             f"calibration gptq needs modelopt >= {GPTQ_MODELOPT} (GPTQCalibConfig); modelopt {modelopt_version()} is "
@@ -193,8 +193,8 @@ def _average_hessians(handles: dict[str, Any]) -> None:
     """Average each layer's Hessian over the ranks that hold the same weights, weighted by token counts."""
     import torch.distributed as dist
 
-    from .moe import split_expert_name
-    from .parallel_groups import data_parallel_group, expert_data_parallel_group
+    from nemo_fp4qat.qat.experts.moe import split_expert_name
+    from nemo_fp4qat.qat.parallel.groups import data_parallel_group, expert_data_parallel_group
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..specs import ConfigError, optional_spec
+from nemo_fp4qat.specs import ConfigError, optional_spec
 
 __all__ = ["DISTILLATION_LOSSES", "DistillationConfig", "Distiller", "is_nemo_checkpoint", "kd_loss", "kd_per_token"]
 
@@ -61,7 +61,7 @@ class DistillationConfig:
     hidden_weight: float = 1.0
 
     def __post_init__(self) -> None:
-        from .scale_levers import check_choice
+        from nemo_fp4qat.qat.calibration.scale_levers import check_choice
 
         check_choice(self.loss, DISTILLATION_LOSSES, "distillation loss")
         if (

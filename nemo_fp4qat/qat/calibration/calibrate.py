@@ -16,14 +16,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..specs import ConfigError, from_fields
-from .batches import collect_batches, default_forward, forward_batches
-from .gptq import GPTQConfig, require_gptq
-from .moe import split_expert_name
-from .parallel_groups import all_reduce_flat, expert_data_parallel_group, same_layers_group
-from .policy import is_quantizer
-from .scale_levers import ACT_SCALES, WEIGHT_SCALES, check_choice, require_levers
-from .smoothing import SmoothingConfig
+from nemo_fp4qat.qat.calibration.batches import collect_batches, default_forward, forward_batches
+from nemo_fp4qat.qat.calibration.gptq import GPTQConfig, require_gptq
+from nemo_fp4qat.qat.calibration.scale_levers import ACT_SCALES, WEIGHT_SCALES, check_choice, require_levers
+from nemo_fp4qat.qat.calibration.smoothing import SmoothingConfig
+from nemo_fp4qat.qat.experts.moe import split_expert_name
+from nemo_fp4qat.qat.parallel.groups import all_reduce_flat, expert_data_parallel_group, same_layers_group
+from nemo_fp4qat.qat.policy.rules import is_quantizer
+from nemo_fp4qat.specs import ConfigError, from_fields
 
 __all__ = [
     "CalibrationConfig",
@@ -52,11 +52,12 @@ class CalibrationConfig:
             quantization error (``True``, or the lowest scale to try as a fraction of the max rule's, in
             (0, 1); ``True`` is 0.75), weighting each weight's error by its input channel's mean square on the
             calibration batches (the layer output's error), applied by clipping the weights
-            (``nemo_fp4qat.qat.block_scale_search``): exports and runtimes derive the same scales with nothing extra.
+            (``nemo_fp4qat.qat.calibration.block_scale_search``): exports and runtimes derive the same scales with
+            nothing extra.
         weight_scale: how NVFP4 weight block scales are set: ``"max"`` (from each block's amax, every forward),
             ``"mse"``, ``"local_hessian"``, ``"four_over_six"`` (modelopt's calibrations; static block scales) or
             ``"search"`` (this plugin's search, the same as ``block_scale_search=True``). See
-            :mod:`nemo_fp4qat.qat.scale_levers`; all but ``max`` and ``search`` need modelopt >= 0.46.
+            :mod:`nemo_fp4qat.qat.calibration.scale_levers`; all but ``max`` and ``search`` need modelopt >= 0.46.
         act_scale: how NVFP4 activation global scales are set: ``"max"`` or ``"act_headroom"`` (modelopt's
             ``nvfp4_act_headroom``, modelopt >= 0.46).
         gptq: after the first calibration, round every quantized weight with modelopt's GPTQ on the calibration

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..specs import ConfigError
-from .policy import LayerPolicy, PolicyRule, is_quantizable_linear
+from nemo_fp4qat.qat.policy.rules import LayerPolicy, PolicyRule, is_quantizable_linear
+from nemo_fp4qat.specs import ConfigError
 
 __all__ = ["AUTO_FORMATS", "auto_policy"]
 

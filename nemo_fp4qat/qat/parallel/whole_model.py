@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .parallel_groups import first_local_expert, global_expert_name
-from .stage_names import stage_layer_offset, to_global_name
+from nemo_fp4qat.qat.parallel.groups import first_local_expert, global_expert_name
+from nemo_fp4qat.qat.parallel.stage_names import stage_layer_offset, to_global_name
 
 __all__ = ["alone_on_rank_0", "at_size_one", "gather_whole_model", "merge_tensor_parallel_shards", "sharded_over_ranks"]
 

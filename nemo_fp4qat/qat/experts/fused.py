@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..architectures import expert_classes
+from nemo_fp4qat.architectures import expert_classes
 
 __all__ = [
     "TRANSPOSED_EXPERTS",

@@ -23,10 +23,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..architectures import expert_classes, module_patterns
-from ..specs import ConfigError
-from .fused_experts import unsupported_fused_experts
-from .parallel_groups import expert_parallel_group
+from nemo_fp4qat.architectures import expert_classes, module_patterns
+from nemo_fp4qat.qat.experts.fused import unsupported_fused_experts
+from nemo_fp4qat.qat.parallel.groups import expert_parallel_group
+from nemo_fp4qat.specs import ConfigError
 
 __all__ = [
     "EXPERT_PATTERNS",

@@ -21,11 +21,10 @@ from typing import Any
 
 import torch.nn as nn
 
-from ..architectures import SIXTEEN_BIT_GROUPS, module_patterns
-from ..numerics.formats import FULL_PRECISION, QuantFormat, get_format
-from ..specs import ConfigError, did_you_mean, from_fields
-from .fused_experts import fused_expert_containers
-from .moe import (
+from nemo_fp4qat.architectures import SIXTEEN_BIT_GROUPS, module_patterns
+from nemo_fp4qat.numerics.formats import FULL_PRECISION, QuantFormat, get_format
+from nemo_fp4qat.qat.experts.fused import fused_expert_containers
+from nemo_fp4qat.qat.experts.moe import (
     EXPERT_PATTERNS,
     ROUTER_PATTERNS,
     SHARED_EXPERT_PATTERNS,
@@ -34,6 +33,7 @@ from .moe import (
     refuse_fused_experts,
     refuse_grouped_experts,
 )
+from nemo_fp4qat.specs import ConfigError, did_you_mean, from_fields
 
 # KV-cache formats a policy may request (TensorRT-LLM deploys FP8 KV caches from calibrated scales).
 KV_CACHE_FORMATS = frozenset({"fp8"})
@@ -390,7 +390,7 @@ class LayerPolicy:
     @classmethod
     def from_yaml(cls, path: str | Path) -> LayerPolicy:
         """Load a policy file: either ``_target_``-style (hydra) or plain ``rules``/``default`` keys."""
-        from .config_io import instantiate_yaml
+        from nemo_fp4qat.qat.config_io import instantiate_yaml
 
         obj = instantiate_yaml(path, default_target=cls)
         if not isinstance(obj, LayerPolicy):

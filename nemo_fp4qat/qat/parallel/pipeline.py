@@ -10,7 +10,7 @@ calibration batches in the same order, so the sends and receives pair up.
 The amax rule under pipeline parallelism: a stage calibrates the layers it holds, and a layer's amax is
 reduced (MAX) over the ranks that hold a copy or shard of that layer (its data- and tensor-parallel
 peers in the same stage), never across stages, which hold other layers
-(:func:`nemo_fp4qat.qat.calibration.sync_amax_across_ranks`).
+(:func:`nemo_fp4qat.qat.calibration.calibrate.sync_amax_across_ranks`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from .stage_names import stage_layer_offset
+from nemo_fp4qat.qat.parallel.stage_names import stage_layer_offset
 
 __all__ = [
     "StagedForward",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..architectures import fused_sibling_sets
+from nemo_fp4qat.architectures import fused_sibling_sets
 
 __all__ = ["ENGINE_FUSED_NAMES", "FUSED_SIBLING_SETS", "find_fused_siblings", "share_fused_amax"]
 

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..specs import optional_spec
-from .batches import forward_batches
-from .policy import is_quantizer
+from nemo_fp4qat.qat.calibration.batches import forward_batches
+from nemo_fp4qat.qat.policy.rules import is_quantizer
+from nemo_fp4qat.specs import optional_spec
 
 __all__ = ["SITES", "SmoothingConfig", "SmoothingSite", "find_smoothing_sites", "smooth_model"]
 
@@ -195,7 +195,7 @@ def _all_reduce_max(tensors: list[torch.Tensor]) -> None:
     parallelism among the ranks of the same stage only (another stage's sites are other layers)."""
     import torch.distributed as dist
 
-    from .parallel_groups import same_layers_group
+    from nemo_fp4qat.qat.parallel.groups import same_layers_group
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         flat = torch.cat([t.flatten() for t in tensors])

@@ -1,0 +1,1 @@
+"""Quantization-aware distillation (QAD): the teacher, the KD losses, and the megatron-core (TP/PP) variant."""
