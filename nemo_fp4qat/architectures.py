@@ -19,12 +19,16 @@ __all__ = [
     "expert_classes",
     "fused_sibling_sets",
     "module_patterns",
+    "refused_classes",
 ]
 
 HF, NEMO, BRIDGE = "Lightning / HF", "NeMo 2", "Megatron-Bridge"
 HF_EXPORT, TRTLLM_EXPORT = "unified HF", "TensorRT-LLM"
 # what the groups of a hybrid's always-16-bit modules are called (every preset keeps them in 16 bits)
-SIXTEEN_BIT_GROUPS = ("conv1d", "linear_attention_gates", "latent_proj", "multi_token_prediction")
+SIXTEEN_BIT_GROUPS = (
+    "conv1d", "linear_attention_gates", "latent_proj", "multi_token_prediction", "sparse_attention_indexer",
+    "batched_shared_experts",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -41,7 +45,8 @@ class Family:
         experts: how it holds its routed experts: ``"linears"`` (one linear per expert), ``"fused"`` (transformers
             5's 3-D ``gate_up_proj`` / ``down_proj``), ``"transposed"`` (``[E, in, out]`` with one weight quantizer
             for every expert); None for a dense model.
-        expert_classes: the expert container classes of a ``"transposed"`` or refused layout.
+        expert_classes: the expert container classes of a ``"transposed"`` or refused layout (a refused family's are
+            refused by name at ``prepare`` with ``refused`` as the reason).
         preset: the policy preset that fits it (NVIDIA's recipe where one is published).
         quantizes: the policy groups of its modules that ``preset`` quantizes (the README shows their formats).
         export: the checkpoints its export writes, validated.
@@ -72,6 +77,7 @@ _FUSED_MOE_CLASSES = (
     "Qwen3Moe", "Qwen2Moe", "Mixtral", "Olmoe", "Phimoe", "MiniMax", "MiniMaxM2", "DeepseekV2", "Dots1", "Glm4Moe",
     "Glm4MoeLite", "Ernie4_5_Moe", "ExaoneMoe", "Cohere2Moe", "HunYuanMoEV1", "GraniteMoe", "GraniteMoeShared",
     "SolarOpen", "Mistral4", "Afmoe", "HYV3", "Laguna", "MiMoV2Flash", "Mellum", "FlexOlmo", "Lfm2Moe", "DeepseekV3",
+    "DeepseekV32", "GlmMoeDsa", "Zaya", "Gemma4", "MiniMaxM3VL", "Inkling",
 )  # fmt: skip
 _STATE_SPACE = ("*mamba.in_proj", "*mamba.out_proj", "*mamba.x_proj", "*mamba.dt_proj")
 _MIXER = ("*mixer.in_proj", "*mixer.out_proj", "*mixer.x_proj", "*mixer.dt_proj")
@@ -146,15 +152,25 @@ FAMILIES: tuple[Family, ...] = (
         tests=("tests/lightning/test_moe_qad.py", "tests/nemo/test_nemo_hf_moe.py", "tests/bridge/test_bridge_moe.py"),
     ),
     Family(
-        "MoE, fused experts (transformers 5: 27 families)",
+        "MoE, fused experts (transformers 5: 33 families)",
         _FUSED_MOE_CLASSES,
         experts="fused",
-        modules={"router": ("*mlp.router.gate", "*block_sparse_moe.router"), "shared_experts": ("*shared_mlp.*",)},
+        modules={
+            # Zaya's router is a small MLP (mlp.gate.*), Gemma 4's a projection beside the layer's experts
+            "router": ("*mlp.router.gate", "*block_sparse_moe.router", "*mlp.gate.*", "*layers.*.router.proj"),
+            "shared_experts": ("*shared_mlp.*",),
+            "attention": ("*v_proj_current", "*v_proj_delayed", "*self_attn.r_proj"),  # Zaya's values, Inkling's
+            # DeepSeek-V3.2 / GLM-5 / MiniMax-M3 sparse attention's indexer: it picks the tokens attention reads,
+            # runs without gradients, and modelopt's export would tie its input scale to attention's
+            "sparse_attention_indexer": ("*self_attn.indexer.*",),
+            # Inkling's shared experts: 3-D weights run by torch.bmm, which modelopt has no wrapper for
+            "batched_shared_experts": ("*.mlp.shared_experts",),
+        },
         # multi-head latent attention's down projections (DeepSeek-V2 / V3, GLM-4 MoE Lite, Mistral 4) deploy fused
         fused_siblings=(("q_a_proj", "kv_a_proj_with_mqa"),),
         quantizes=("attention", "experts", "shared_experts"),
-        readers=("vLLM and SGLang (Qwen3-MoE)",),
-        tests=("tests/lightning/test_fused_experts.py",),
+        readers=("vLLM (the 26 it has a model for)", "SGLang (24)"),
+        tests=("tests/lightning/test_fused_experts.py", "tests/export/test_engine_parsers.py"),
     ),
     Family(
         "gpt-oss",
@@ -242,12 +258,56 @@ FAMILIES: tuple[Family, ...] = (
         quantizes=(),
     ),
     Family(
+        "DBRX",
+        ("Dbrx",),
+        experts="fused",
+        expert_classes=("DbrxExperts",),
+        export=(),
+        tests=("tests/lightning/test_fused_experts.py",),
+        refused="modelopt 0.47's DBRX expert wrapper fails in calibration ('QuantDbrxExperts' object is not iterable)",
+        quantizes=(),
+    ),
+    Family(
+        "Aria (text)",
+        ("AriaText",),
+        experts="fused",
+        expert_classes=("AriaGroupedExpertsGemm",),
+        export=(),
+        tests=("tests/lightning/test_fused_experts.py",),
+        refused="its experts are grouped GEMMs over sorted tokens that modelopt 0.47 neither wraps nor exports",
+        quantizes=(),
+    ),
+    Family(
+        "LongCat-Flash",
+        ("LongcatFlash",),
+        experts="fused",
+        expert_classes=("LongcatFlashExperts",),
+        export=(),
+        tests=("tests/lightning/test_fused_experts.py",),
+        refused="its routed and zero-compute experts share one container that modelopt 0.47 neither wraps nor exports",
+        quantizes=(),
+    ),
+    Family(
+        "DeepSeek-V4",
+        ("DeepseekV4",),
+        experts="fused",
+        expert_classes=("DeepseekV4GroupedLinear",),
+        export=(),
+        tests=("tests/lightning/test_fused_experts.py",),
+        refused="its attention output's grouped linear (DeepseekV4GroupedLinear, a block-diagonal bmm) gets no "
+        "modelopt quantizer, and modelopt's export needs one format across its attention's and KV compressor's "
+        "projections of one input",
+        quantizes=(),
+    ),
+    Family(
         "JetMoe",
         ("JetMoe",),
         experts="fused",
+        expert_classes=("JetMoeParallelExperts",),
         export=(),
         tests=("tests/lightning/test_fused_experts.py",),
-        refused="its experts are fused in a layout of their own",
+        refused="its experts (one [experts, out, in] weight per projection, run over sorted tokens) have no modelopt "
+        "0.47 wrapper",
         quantizes=(),
     ),
     Family(
@@ -287,3 +347,9 @@ def expert_classes(experts: str, refused: bool | None = None) -> tuple[str, ...]
     ``refused=True``, supported ones only with ``False``)."""
     return tuple(c for f in FAMILIES if f.experts == experts and (refused is None or bool(f.refused) == refused)
                  for c in f.expert_classes)  # fmt: skip
+
+
+def refused_classes() -> dict[str, tuple[str, str]]:
+    """The module classes that identify a refused family's layout (grouped megatron-core experts aside: refused on
+    their own path): class name -> (family name, why it is refused)."""
+    return {c: (f.name, f.refused) for f in FAMILIES if f.refused and f.experts != "grouped" for c in f.expert_classes}

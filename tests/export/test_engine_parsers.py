@@ -16,6 +16,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from tiny_moe import FUSED_MOE
+from tiny_moe import build as build_fused
 
 from nemo_fp4qat import LayerPolicy
 from nemo_fp4qat.export import ExportConfig, export_checkpoint
@@ -263,3 +265,119 @@ def test_vllm_reads_a_gpt_oss_export_as_its_own_mxfp4_checkpoint(tmp_path):
     assert weights["model.layers.1.mlp.experts.down_proj_scales"]["name"].endswith(".experts.w2_weight_scale")
     assert weights["model.layers.0.self_attn.sinks"]["name"] == "model.layers.0.attn.sinks"
     assert all(w["shape_fits"] for w in weights.values()), {k: w for k, w in weights.items() if not w["shape_fits"]}
+
+
+# every family the table carries through the chain with transformers 5's fused experts, exported once per engine
+FUSED_FAMILIES = sorted(FUSED_MOE)
+ENGINE_ALGO = {"nvfp4": "NVFP4", "fp8": "FP8", None: None}
+
+
+def _fused_exports(root: Path, runtime: str) -> dict[str, tuple[Path, dict[str, str | None]]]:
+    """Each fused-expert family calibrated under ``default`` and exported for ``runtime``, with what each engine-side
+    layer was trained in: every exported linear traced back to the module that trained it (transformers 5 saves
+    the hub's names: Mixtral's ``block_sparse_moe.experts.<i>.w1``), an expert's container NVFP4 and every other
+    linear its policy row's weight format (None: 16 bits), by checkpoint name."""
+    import torch
+    from safetensors import safe_open
+
+    from nemo_fp4qat import QATController
+    from nemo_fp4qat.export.hub_names import model_name_resolver
+    from nemo_fp4qat.qat.experts.fused import fused_expert_containers
+
+    out = {}
+    for family in FUSED_FAMILIES:
+        model = build_fused(family)
+        ctl = QATController(policy="default", calibration=4)
+        ctl.prepare(model)
+        g = torch.Generator().manual_seed(0)
+        ctl.calibrate(model, [torch.randint(0, 96, (2, 16), generator=g) for _ in range(2)])
+        rows = {r.module: ENGINE_ALGO[None if r.weight == "bf16" else r.weight] for r in ctl.table.rows}
+        containers = set(fused_expert_containers(model))
+        directory = export_checkpoint(model, root / family, ExportConfig(kind="hf", runtime=runtime))
+        resolve = model_name_resolver(model)
+        trained: dict[str, set] = {}
+        for f in sorted(directory.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as st:
+                keys = [k[: -len(".weight")] for k in st.keys()
+                        if k.endswith(".weight") and len(st.get_slice(k).get_shape()) == 2]  # fmt: skip
+            for name in keys:
+                module = resolve(name)
+                if ".experts." in name:  # one fused MoE layer per container, as the engines build them
+                    fmt = "NVFP4" if module.rsplit(".", 2)[0] in containers else rows.get(module)
+                    trained.setdefault(name.split(".experts.")[0] + ".experts", set()).add(fmt)
+                elif "embed_tokens" not in name:
+                    trained[name] = {rows.get(module)}
+        assert all(len(f) == 1 for f in trained.values()), (family, trained)  # a fused MoE layer: one format
+        out[family] = (directory, {p: f.pop() for p, f in trained.items()})
+    return out
+
+
+def _read_all(python: str, worker: str, exports: dict[str, tuple[Path, dict]], root: Path) -> dict[str, dict]:
+    pairs = [[str(d), str(root / f"{family}.json")] for family, (d, _) in exports.items()]
+    (root / "pairs.json").write_text(json.dumps(pairs))
+    proc = subprocess.run([python, str(WORKERS / worker), "--many", str(root / "pairs.json")], capture_output=True,
+                          text=True, timeout=1200)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return {family: json.loads((root / f"{family}.json").read_text()) for family in exports}
+
+
+@pytest.fixture(scope="module")
+def vllm_fused(tmp_path_factory):
+    if not ENGINES_PYTHON:
+        pytest.skip("the engines environment: make test-engines")
+    exports = _fused_exports(tmp_path_factory.mktemp("vllm_fused"), "vllm")
+    return exports, _read_all(ENGINES_PYTHON, "vllm_parser_worker.py", exports, tmp_path_factory.mktemp("vllm_read"))
+
+
+@pytest.fixture(scope="module")
+def sglang_fused(tmp_path_factory):
+    if not SGLANG_PYTHON:
+        pytest.skip("the SGLang environment: make test-engines")
+    exports = _fused_exports(tmp_path_factory.mktemp("sglang_fused"), "sglang")
+    return exports, _read_all(SGLANG_PYTHON, "sglang_parser_worker.py", exports, tmp_path_factory.mktemp("sgl_read"))
+
+
+# the fused-expert families each engine has no model class for (under the architecture transformers names them)
+VLLM_UNREGISTERED = {"Phimoe", "MiniMax", "Dots1", "SolarOpen", "Mistral4", "Zaya", "MiniMaxM3VL"}
+SGLANG_UNREGISTERED = {"Phimoe", "MiniMax", "Dots1", "SolarOpen", "Mistral4", "FlexOlmo", "MiniMaxM3VL", "Inkling"}
+# configs an engine cannot read as transformers 5 saves them: the hub field it reads instead
+UNREADABLE = {("sglang", "MiMoV2Flash"): "hybrid_layer_pattern"}  # transformers 5 saves MiMo-V2's as layer_types
+
+
+def _check_engine_read(engine: str, family: str, got: dict, trained: dict, unregistered: set, fmt: str,
+                       moe_method: str) -> None:  # fmt: skip
+    """The engine's reading of one family's export against what trained: each engine layer the one format its
+    checkpoint shards trained in, each fused MoE layer ``moe_method`` in NVFP4, every quantized layer reached."""
+    if (engine, family) in UNREADABLE:
+        assert UNREADABLE[engine, family] in got["error"], got
+        return
+    assert "error" not in got, got.get("error")
+    assert got["registered"] == [family not in unregistered], family
+    if family in unregistered:
+        return
+    moe = {p: v for p, v in got["layers"].items() if p not in got["shards"]}
+    assert moe and {(v["method"], v[fmt]) for v in moe.values()} == {(moe_method, "NVFP4")}, moe
+    assert all(trained[p] == "NVFP4" for p in moe), family
+    for prefix, shards in got["shards"].items():
+        assert {trained.get(s) for s in shards} == {got["layers"][prefix][fmt]}, (family, prefix, shards)
+    reached = {s for shards in got["shards"].values() for s in shards} | set(moe)
+    assert {p for p, f in trained.items() if f} <= reached, family
+
+
+@pytest.mark.parametrize("family", FUSED_FAMILIES)
+def test_vllm_reads_each_fused_expert_familys_export_in_its_trained_formats(family, vllm_fused):
+    """vLLM's own quantization config (with the packing of vLLM's model class for the architecture) on the export of
+    every family the table trains with fused experts: one NVFP4 fused MoE method per experts container, every other
+    layer the format it trained in (routers, lm_head and the 16-bit groups excluded)."""
+    exports, read = vllm_fused
+    _check_engine_read("vllm", family, read[family], exports[family][1], VLLM_UNREGISTERED, "algo",
+                       "ModelOptNvFp4FusedMoE")  # fmt: skip
+
+
+@pytest.mark.parametrize("family", FUSED_FAMILIES)
+def test_sglang_reads_each_fused_expert_familys_export_in_its_trained_formats(family, sglang_fused):
+    """SGLang's loader's quantization config on the same families: one NVFP4 fused MoE method per experts container,
+    every other layer its trained format."""
+    exports, read = sglang_fused
+    _check_engine_read("sglang", family, read[family], exports[family][1], SGLANG_UNREGISTERED, "format",
+                       "ModelOptNvFp4FusedMoEMethod")  # fmt: skip

@@ -28,17 +28,52 @@ _OWN_FIELDS: dict[str, dict] = {
     "FlexOlmo": dict(pad_token_id=1, bos_token_id=2, eos_token_id=3),  # its defaults lie outside a small vocabulary
     "Lfm2Moe": dict(layer_types=["full_attention", "conv"], num_dense_layers=0),  # short convolutions beside attention
     "DeepseekV3": dict(head_dim=8),  # its rotary embedding spans head_dim, which MLA sets to qk_rope_head_dim
+    # multi-head latent attention gives every head its own keys: as many key heads as query heads
+    "DeepseekV32": dict(num_key_value_heads=4, index_n_heads=2, index_head_dim=16),
+    "GlmMoeDsa": dict(num_key_value_heads=4, index_n_heads=2, index_head_dim=16),
+    "Zaya": dict(num_experts_per_tok=1),  # its router picks one expert
+    "Gemma4": dict(enable_moe_block=True, top_k_experts=2, hidden_size_per_layer_input=0, global_head_dim=16),
+    "MiniMaxM3VL": dict(
+        bos_token_id=1,
+        eos_token_id=2,
+        shared_intermediate_size=32,
+        dense_intermediate_size=64,
+        layer_types=["minimax_m3_sparse", "full_attention"],
+        index_n_heads=2,
+        index_head_dim=16,
+        index_block_size=4,
+        index_topk_blocks=2,
+    ),
+    "Inkling": dict(swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16),
+    "AriaText": dict(moe_num_experts=4, moe_num_shared_experts=1),
+    "LongcatFlash": dict(
+        num_layers=2, ffn_hidden_size=64, expert_ffn_hidden_size=32, zero_expert_num=0, moe_topk=2, head_dim=8
+    ),
+    "Dbrx": dict(
+        d_model=64,
+        n_heads=4,
+        n_layers=2,
+        max_seq_len=128,
+        attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+        ffn_config=dict(hidden_size=64, ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2),
+    ),
+}
+# families whose causal LM is the text half of a multimodal model: (config class, causal LM class)
+_CLASSES = {
+    "Gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
+    "MiniMaxM3VL": ("MiniMaxM3VLTextConfig", "MiniMaxM3VLForCausalLM"),
+    "Inkling": ("InklingTextConfig", "InklingForCausalLM"),
 }
 _TESTED = [f for f in FAMILIES if "tests/lightning/test_fused_experts.py" in f.tests]
 FUSED_MOE: dict[str, dict] = {c: _OWN_FIELDS.get(c, {}) for f in _TESTED if not f.refused for c in f.classes}
-# fused experts in another layout, with modelopt wrappers of their own: refused by name at prepare (gpt-oss:
-# tests/lightning/test_gpt_oss.py)
-OTHER_LAYOUT_MOE: dict[str, dict] = {c: {} for f in _TESTED if f.refused for c in f.classes}
+# the families the table refuses by name at prepare (gpt-oss: tests/lightning/test_gpt_oss.py)
+OTHER_LAYOUT_MOE: dict[str, dict] = {c: _OWN_FIELDS.get(c, {}) for f in _TESTED if f.refused for c in f.classes}
 
 
 def build(family: str, table: dict[str, dict] = FUSED_MOE) -> torch.nn.Module:
     """A tiny random ``<family>ForCausalLM`` (its config names its architecture, as a hub checkpoint's does)."""
-    config_class = getattr(transformers, f"{family}Config", None)
+    config_name, model_name = _CLASSES.get(family, (f"{family}Config", f"{family}ForCausalLM"))
+    config_class = getattr(transformers, config_name, None)
     if config_class is None:
         pytest.skip(f"transformers {transformers.__version__} has no {family}")
     fields = config_class().to_dict()
@@ -46,6 +81,6 @@ def build(family: str, table: dict[str, dict] = FUSED_MOE) -> torch.nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         config = config_class(**{**{k: v for k, v in _SHRINK.items() if k in fields}, **table[family]})
-        model = getattr(transformers, f"{family}ForCausalLM")(config)
+        model = getattr(transformers, model_name)(config)
     model.config.architectures = [type(model).__name__]
     return model

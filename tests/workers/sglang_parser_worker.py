@@ -1,6 +1,7 @@
 """SGLang's own parser and loader on a unified HF export (runs in the SGLang environment: ``make test-engines``).
 
-Usage: ``python sglang_parser_worker.py EXPORT_DIR OUT_JSON [ALGOS_JSON]``. Builds SGLang's ``ModelConfig``
+Usage: ``python sglang_parser_worker.py EXPORT_DIR OUT_JSON [ALGOS_JSON]`` (or ``--many PAIRS_JSON``:
+engine_layers.run_many). Builds SGLang's ``ModelConfig``
 from the export (the quantization method and the dtype it would run), then the quantization config its model
 loader builds for the checkpoint's architecture (``model_loader.loader._get_quantization_config``, with the model
 class's own ``packed_modules_mapping``), and writes, for every linear layer of SGLang's Llama, the format SGLang
@@ -14,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from engine_layers import engine_linear_prefixes, engine_moe_prefixes
+from engine_layers import LLAMA_PACKED, engine_linear_layers, engine_moe_prefixes, run_many
 
 # the linear methods SGLang 0.5.23's ModelOptMixedPrecisionConfig hands out, by the format each runs
 METHOD_FORMAT = {
@@ -36,7 +37,14 @@ def main(export_dir: str, out_json: str, algos_json: str | None = None) -> None:
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.layers.linear import LinearBase
     from sglang.srt.model_loader.loader import _get_quantization_config
+    from sglang.srt.models.registry import ModelRegistry
 
+    archs = json.loads((Path(export_dir) / "config.json").read_text()).get("architectures", [])
+    registered = [a in ModelRegistry.get_supported_archs() for a in archs]
+    if not all(registered):  # SGLang refuses to build a config for a model it has no class for
+        Path(out_json).write_text(json.dumps({"registered": registered, "layers": {}}))
+        return
+    packed = dict(getattr(ModelRegistry._try_load_model_cls(archs[0]), "packed_modules_mapping", None) or LLAMA_PACKED)
     mc = ModelConfig(model_path=export_dir)
     cfg = _get_quantization_config(mc, LoadConfig())
     declared = json.loads((Path(export_dir) / "config.json").read_text())["quantization_config"].get("quant_algo")
@@ -51,11 +59,12 @@ def main(export_dir: str, out_json: str, algos_json: str | None = None) -> None:
     # get_quant_method only asks whether the layer is one of SGLang's linear classes; building a real one needs
     # SGLang's tensor-parallel groups, so an uninitialised instance of its own LinearBase stands in
     layer = LinearBase.__new__(LinearBase)
-    layers = {}
-    for prefix in engine_linear_prefixes(export_dir):
+    layers, shards_of = {}, {}
+    for prefix, shards in engine_linear_layers(export_dir, packed).items():
         method = type(cfg.get_quant_method(layer, prefix)).__name__
         layers[prefix] = {"method": method, "format": METHOD_FORMAT.get(method, method),
                           "algo": algo_of(prefix, method)}  # fmt: skip
+        shards_of[prefix] = shards
     from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
     from sglang.srt.layers.quantization import modelopt_quant
 
@@ -76,6 +85,7 @@ def main(export_dir: str, out_json: str, algos_json: str | None = None) -> None:
             methods[algo] = type(cfg.get_quant_method(layer, probe)).__name__
         cfg.quantized_layers = table
     Path(out_json).write_text(json.dumps({
+        "registered": registered, "shards": shards_of,
         "sglang": sglang.__version__, "quantization": mc.quantization, "dtype": str(mc.dtype).removeprefix("torch."),
         "config": type(cfg).__name__, "kv_cache_quant_algo": cfg.kv_cache_quant_algo,
         "exclude_modules": sorted(getattr(cfg, "exclude_modules", None) or []), "layers": layers, "methods": methods,
@@ -83,4 +93,4 @@ def main(export_dir: str, out_json: str, algos_json: str | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    run_many(main, sys.argv[1:])

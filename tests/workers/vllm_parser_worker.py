@@ -1,6 +1,7 @@
 """vLLM's own parser on a unified HF export (runs in the engines environment: ``make test-engines``).
 
-Usage: ``python vllm_parser_worker.py EXPORT_DIR OUT_JSON``. Builds vLLM's quantization config from the export's
+Usage: ``python vllm_parser_worker.py EXPORT_DIR OUT_JSON`` (or ``--many PAIRS_JSON``: engine_layers.run_many).
+Builds vLLM's quantization config from the export's
 ``config.json`` the way vLLM's loader does (the method whose ``override_quantization_method`` claims it, then its
 ``from_config``, with Llama's ``packed_modules_mapping``), and writes, for every linear layer of the vLLM model
 (q/k/v fused into ``qkv_proj``, gate/up into ``gate_up_proj``), the format vLLM resolves and whether it is excluded;
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from engine_layers import LLAMA_PACKED, engine_linear_prefixes, engine_moe_prefixes
+from engine_layers import LLAMA_PACKED, engine_linear_layers, engine_moe_prefixes, run_many
 
 
 def main(export_dir: str, out_json: str) -> None:
@@ -37,7 +38,14 @@ def main(export_dir: str, out_json: str) -> None:
             claimed.append(got)
     method = claimed[0] if claimed else qc.get("quant_method")
     cfg = get_quantization_config(method).from_config(qc)
-    cfg.packed_modules_mapping = dict(LLAMA_PACKED)  # what vLLM's model loader hands the config for a Llama
+    from vllm import ModelRegistry
+
+    # what vLLM's model loader hands the config: the packing of the model class the checkpoint names (Llama's where
+    # vLLM has none for it)
+    registered = [a in ModelRegistry.get_supported_archs() for a in config.get("architectures", [])]
+    model_cls = ModelRegistry._try_load_model_cls(config["architectures"][0]) if all(registered) else None
+    packed = dict(getattr(model_cls, "packed_modules_mapping", None) or LLAMA_PACKED)
+    cfg.packed_modules_mapping = packed
 
     from vllm.model_executor.layers.linear import LinearBase
 
@@ -55,9 +63,10 @@ def main(export_dir: str, out_json: str) -> None:
         return cfg._resolve_quant_algo(prefix) if hasattr(cfg, "_resolve_quant_algo") else qc.get("quant_algo")
 
     linear = LinearBase.__new__(LinearBase)  # get_quant_method asks only what kind of layer it is
-    layers = {}
-    for prefix in engine_linear_prefixes(export_dir):
+    layers, shards_of = {}, {}
+    for prefix, shards in engine_linear_layers(export_dir, packed).items():
         layers[prefix] = {"excluded": excluded(prefix, linear), "algo": algo_of(prefix, linear)}
+        shards_of[prefix] = shards
     moe = engine_moe_prefixes(export_dir)
     if moe:
         from vllm.model_executor.layers.fused_moe import RoutedExperts
@@ -84,7 +93,7 @@ def main(export_dir: str, out_json: str) -> None:
                               "algo": algo_of(prefix, layer),
                               "config": None if sub is None else type(sub).__name__}  # fmt: skip
     got = {"vllm": vllm.__version__, "claimed": claimed, "method": cfg.get_name(), "layers": layers,
-           "linear_algos": sorted(LINEAR_ALGOS)}  # fmt: skip
+           "linear_algos": sorted(LINEAR_ALGOS), "registered": registered, "shards": shards_of}  # fmt: skip
     if config.get("architectures") == ["GptOssForCausalLM"]:
         got["gpt_oss"] = _gpt_oss_weights(export_dir, config)
     Path(out_json).write_text(json.dumps(got, indent=1))
@@ -116,4 +125,4 @@ def _gpt_oss_weights(export_dir: str, config: dict) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    run_many(main, sys.argv[1:])

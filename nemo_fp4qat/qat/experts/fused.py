@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from nemo_fp4qat.architectures import expert_classes
+from nemo_fp4qat.architectures import expert_classes, refused_classes
 
 __all__ = [
     "TRANSPOSED_EXPERTS",
@@ -55,7 +55,7 @@ _EXPORTED_EXPERT = re.compile(r"^(?P<container>.+\.experts)\.(?P<index>\d+)\.(?P
 # ``_QuantGptOssExperts``), which this plugin formats; those with wrappers of modelopt's own that it does not
 # (architectures.py)
 TRANSPOSED_EXPERTS = expert_classes("transposed", refused=False)
-_OTHER_LAYOUTS = expert_classes("transposed", refused=True)
+_REFUSED = refused_classes()
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,12 @@ def is_transposed_experts(module: nn.Module) -> bool:
     return any(c.__name__ in TRANSPOSED_EXPERTS for c in type(module).__mro__)
 
 
+def _refused_as(module: nn.Module) -> tuple[str, str] | None:
+    """(family, reason) where ``module``'s class (or one it subclasses, as modelopt's wrappers do) is a refused
+    family's, else None."""
+    return next((_REFUSED[c.__name__] for c in type(module).__mro__ if c.__name__ in _REFUSED), None)
+
+
 def _is_3d(module: nn.Module, attr: str) -> bool:
     p = getattr(module, attr, None)
     return isinstance(p, torch.Tensor) and p.dim() == 3
@@ -91,7 +97,7 @@ def _standard_layout(module: nn.Module) -> tuple[str, ...] | None:
     without a gate) or gpt-oss's transposed one, else None."""
     if is_transposed_experts(module):
         return ("gate_up_proj", "down_proj")
-    if type(module).__name__ in _OTHER_LAYOUTS or not hasattr(module, "num_experts") or not _is_3d(module, "down_proj"):
+    if _refused_as(module) is not None or not hasattr(module, "num_experts") or not _is_3d(module, "down_proj"):
         return None
     if _is_3d(module, "gate_up_proj"):
         return ("gate_up_proj", "down_proj")
@@ -111,16 +117,25 @@ def fused_expert_containers(model: nn.Module) -> dict[str, FusedExperts]:
 
 
 def unsupported_fused_experts(model: nn.Module) -> dict[str, str]:
-    """Expert containers holding 3-D fused weights in a layout :func:`fused_expert_containers` does not take:
-    module name -> a description of its weights (for the refusal)."""
+    """Modules holding experts this plugin does not quantize: a refused family's (its reason from the family table)
+    and any other expert module with 3-D fused weights in a layout :func:`fused_expert_containers` does not take:
+    module name -> what it is and why (for the refusal)."""
     supported = fused_expert_containers(model)
     out = {}
     for name, module in model.named_modules():
-        if name in supported or "Expert" not in type(module).__name__:
+        if name in supported or any(name.startswith(f"{s}.") for s in supported):
+            continue
+        refused = _refused_as(module)
+        if refused is not None:
+            out[name] = f"{type(module).__name__}: {refused[0]} is not supported: {refused[1]}"
+            continue
+        if "Expert" not in type(module).__name__:
             continue
         fused = [(n, list(p.shape)) for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
         if fused:
-            out[name] = f"{type(module).__name__}: " + ", ".join(f"{n} {shape}" for n, shape in fused)
+            out[name] = (f"{type(module).__name__}: " + ", ".join(f"{n} {shape}" for n, shape in fused) + ": "
+                         "experts fused outside transformers 5's standard layout ([experts, out, in] gate_up_proj / "
+                         "up_proj and down_proj), which modelopt's fused-expert wrappers take")  # fmt: skip
     return out
 
 

@@ -102,24 +102,21 @@ def module_standing_for(name: str, modules: Iterable[str]) -> str | None:
 
 
 def refuse_fused_experts(model: nn.Module, full_precision: Any) -> None:
-    """Refuse a model whose experts live in fused containers of a layout this plugin does not format (gpt-oss's and
-    Llama-4's transposed weights, DBRX, GraniteMoe: :func:`~.fused_experts.unsupported_fused_experts`) unless
-    ``full_precision(name)`` says the policy keeps that container in 16 bits on purpose. transformers 5's standard
-    fused experts (``gate_up_proj`` / ``up_proj`` and ``down_proj``) are policy rows of their own.
+    """Refuse a model holding experts this plugin does not quantize (a refused family's, by the family table, or
+    fused in a layout of their own: :func:`~nemo_fp4qat.qat.experts.fused.unsupported_fused_experts`) unless
+    ``full_precision(name)`` says the policy keeps that module in 16 bits on purpose. transformers 5's standard fused
+    experts (``gate_up_proj`` / ``up_proj`` and ``down_proj``) are policy rows of their own.
 
     Raises:
-        ConfigError: naming the container, its fused weights and the ways forward.
+        ConfigError: naming the module, what it holds, why, and the ways forward.
     """
-    for name, weights in unsupported_fused_experts(model).items():
+    for name, what in unsupported_fused_experts(model).items():
         if not full_precision(name):
             raise ConfigError(
-                f"{name} ({weights}) holds its experts fused in a layout this plugin does not quantize (transformers "
-                "5's standard fused experts, [experts, out, in] gate_up_proj / up_proj and down_proj, are "
-                "supported; this one has modelopt wrappers of its own that the policies, calibration and export "
-                "checks here do not cover), so these experts would silently train in 16 bits. Keep them in 16 bits "
-                "on purpose with a policy rule that matches the container and gives it no format, e.g. "
-                "{patterns: ['*.mlp.experts'], weight: null, group: experts}, or use modelopt's own "
-                "mtq.quantize for this model."
+                f"{name} ({what}): the policy would quantize these experts but this plugin cannot, so they would "
+                "silently train in 16 bits. Keep them in 16 bits on purpose with a policy rule that matches the "
+                f"module and gives it no format, e.g. {{patterns: ['*.{name.rsplit('.', 1)[-1]}'], weight: null, "
+                "group: experts}, or use modelopt's own mtq.quantize for this model."
             )
 
 
