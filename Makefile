@@ -59,8 +59,10 @@ demo: $(CORE)/.stamp
 lint: $(CORE)/.stamp
 	$(CORE)/bin/ruff check nemo_fp4qat tests benchmarks examples && $(CORE)/bin/ruff format --check nemo_fp4qat tests benchmarks examples
 
+# Each suite of make test leaves its per-test times in .pytest-tmp/junit-<suite>.xml (docs/testing.md reads them).
+JUNIT = --junitxml=$(CURDIR)/.pytest-tmp/junit-$(1).xml
 test-core: $(CORE)/.stamp
-	$(CORE)/bin/python -m pytest -q -m "not nemo and not bridge and not slow_core" \
+	$(CORE)/bin/python -m pytest -q -m "not nemo and not bridge and not slow_core" $(call JUNIT,core) \
 		$(if $(PYTEST_TMP),--basetemp=$(CURDIR)/.pytest-tmp/core) tests
 
 # Every core test: make test's subset plus the mixture-of-experts demo on the upcycled SmolLM2 (about 5 minutes).
@@ -72,7 +74,7 @@ test-core-all: $(CORE)/.stamp
 # calibration, QAT, export). `core_only` leaves one test of such a module to the core environment.
 NEMO_TESTS := (nemo or twice) and not core_only and not bridge
 test-nemo: $(NEMO)/.stamp
-	NEMO_FP4QAT_REQUIRE_NEMO=1 $(NEMO)/bin/python -m pytest -q -m "$(NEMO_TESTS) and not slow_nemo" \
+	NEMO_FP4QAT_REQUIRE_NEMO=1 $(NEMO)/bin/python -m pytest -q -m "$(NEMO_TESTS) and not slow_nemo" $(call JUNIT,nemo) \
 		$(if $(PYTEST_TMP),--basetemp=$(CURDIR)/.pytest-tmp/nemo) tests
 
 # Every NeMo test: make test's subset plus QAD and export under pipeline parallelism, TP x PP and the kill/resume test.
@@ -81,7 +83,7 @@ test-nemo-all: $(NEMO)/.stamp
 
 # Megatron-Bridge (marker `bridge`): the representative subset here; `make test-bridge-all` runs every Bridge test.
 test-bridge: $(BRIDGE)/.stamp
-	NEMO_FP4QAT_REQUIRE_BRIDGE=1 $(BRIDGE)/bin/python -m pytest -q -m "bridge and not slow_bridge" \
+	NEMO_FP4QAT_REQUIRE_BRIDGE=1 $(BRIDGE)/bin/python -m pytest -q -m "bridge and not slow_bridge" $(call JUNIT,bridge) \
 		$(if $(PYTEST_TMP),--basetemp=$(CURDIR)/.pytest-tmp/bridge) tests/bridge
 
 test-bridge-all: $(BRIDGE)/.stamp
