@@ -156,8 +156,15 @@ FAMILIES: tuple[Family, ...] = (
         _FUSED_MOE_CLASSES,
         experts="fused",
         modules={
-            # Zaya's router is a small MLP (mlp.gate.*), Gemma 4's a projection beside the layer's experts
-            "router": ("*mlp.router.gate", "*block_sparse_moe.router", "*mlp.gate.*", "*layers.*.router.proj"),
+            # Zaya's router is a small MLP (mlp.gate.*), Gemma 4's a projection beside the layer's experts, LFM2's
+            # sits in the layer's feed_forward
+            "router": (
+                "*mlp.router.gate",
+                "*block_sparse_moe.router",
+                "*mlp.gate.*",
+                "*layers.*.router.proj",
+                "*feed_forward.gate",
+            ),
             "shared_experts": ("*shared_mlp.*",),
             "attention": ("*v_proj_current", "*v_proj_delayed", "*self_attn.r_proj"),  # Zaya's values, Inkling's
             # DeepSeek-V3.2 / GLM-5 / MiniMax-M3 sparse attention's indexer: it picks the tokens attention reads,

@@ -31,32 +31,41 @@ class ExpertLoad:
 
     def __init__(self) -> None:
         self.counts: dict[str, torch.Tensor] = {}
-        self.top_k: dict[str, int] = {}
         self._hooks: list[Any] = []
 
     def attach(self, model: nn.Module, names: dict[str, str] | None = None) -> int:
         """Hook every router of ``model`` (``names``: module name -> the name to report it under). Returns the count."""
         self.detach()
         modules = dict(model.named_modules())
+        routers: dict[str, nn.Module] = {}
         for name, module in modules.items():
-            if not is_router(name) or "shared_expert_gate" in name:
+            if not is_router(name) or "shared_expert_gate" in name or _inside_router(name):
                 continue
-            parent = modules.get(name.rpartition(".")[0])
-            k = getattr(parent, "top_k", None) or getattr(module, "top_k", None) or getattr(module, "topk", None)
+            parent_name = name.rpartition(".")[0]
+            parent = modules.get(parent_name)
+            if parent is not None and type(parent).__name__.endswith("Router"):
+                name, module = parent_name, parent  # a projection whose router module (norm, top-k) holds it
+            routers[name] = module
+        for name, module in routers.items():
+            block = modules.get(name.rpartition(".")[0])
+            k = getattr(block, "top_k", None) or getattr(module, "top_k", None) or getattr(module, "topk", None)
+            experts = getattr(getattr(block, "experts", None), "num_experts", None)
             key = (names or {}).get(name, name)
-            self.top_k[key] = int(k or 1)
-            self._hooks.append(module.register_forward_hook(self._hook(key, k)))
+            self._hooks.append(module.register_forward_hook(self._hook(key, k, experts)))
         return len(self._hooks)
 
-    def _hook(self, key: str, top_k: int | None) -> Any:
+    def _hook(self, key: str, top_k: int | None, num_experts: int | None) -> Any:
         def count(module: nn.Module, args: Any, output: Any) -> None:
             with torch.no_grad():
                 if isinstance(output, tuple) and len(output) == 2 and output[1].dtype == torch.bool:
                     chosen = output[1].reshape(-1, output[1].shape[-1]).sum(0)  # megatron-core: the routing map
-                elif isinstance(output, tuple) and len(output) == 3 and not output[2].is_floating_point():
-                    # transformers 5's routers: (logits, top-k weights, top-k expert indices)
-                    experts = output[0].shape[-1]
-                    chosen = torch.bincount(output[2].reshape(-1), minlength=experts)
+                elif isinstance(output, tuple) and (picked := _top_k_indices(output)) is not None:
+                    # transformers 5's routers return the experts they picked (and their weights, and the logits)
+                    picks, weights, classes = picked
+                    if num_experts is not None and classes > num_experts and weights is not None:
+                        # a router with a "skip" class (Zaya) re-points its skips to expert 0 at weight 0
+                        picks = picks[weights.reshape(-1) != 0]
+                    chosen = torch.bincount(picks, minlength=num_experts or classes)
                 else:
                     logits = output[0] if isinstance(output, tuple) else output
                     logits = logits.reshape(-1, logits.shape[-1])
@@ -94,6 +103,25 @@ class ExpertLoad:
         dist.all_reduce(flat, group=group)
         parts = torch.split(flat.cpu(), [len(self.counts[n]) for n in names])
         return {n: [int(x) for x in part] for n, part in zip(names, parts, strict=True)}
+
+
+def _top_k_indices(output: tuple) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
+    """``(picked expert indices, their weights, number of router classes)`` from a router's output tuple, whichever
+    order the family returns them in (``(logits, weights, indices)``; Granite's ``(indices, weights, logits)``)."""
+    tensors = [t for t in output if isinstance(t, torch.Tensor)]
+    indices = next((t for t in tensors if not t.is_floating_point() and t.dtype != torch.bool), None)
+    if indices is None:
+        return None
+    weights = next((t for t in tensors if t.is_floating_point() and t.shape == indices.shape), None)
+    classes = max((t.shape[-1] for t in tensors if t.is_floating_point() and t is not weights), default=0)
+    return indices.reshape(-1), weights, int(classes or indices.max().item() + 1)
+
+
+def _inside_router(name: str) -> bool:
+    """A module within a router (a router that is a small MLP, a quantizer a router's linear holds): counted once,
+    at the router."""
+    parts = name.split(".")
+    return any(is_router(".".join(parts[:i])) for i in range(1, len(parts)))
 
 
 def starved_experts(counts: dict[str, list[int]], min_share: float) -> list[tuple[str, int, int, float]]:

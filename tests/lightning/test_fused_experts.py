@@ -109,17 +109,29 @@ def test_a_precision_switch_moves_every_expert_and_a_resume_restores_them_bit_fo
         assert torch.equal(resumed(batch).logits, model(batch).logits)
 
 
-def test_the_monitor_counts_every_routed_token_per_expert():
-    model = build("Qwen3Moe")
+@pytest.mark.parametrize("family", sorted(FUSED_MOE))
+def test_the_monitor_counts_every_routed_token_per_expert_once_per_moe_layer(family):
+    """One count per MoE layer however the family builds its router (a linear, a small MLP, a norm and projection,
+    one with a skip class), each counting every token top-k times, after the policy wrapped the router's linears."""
+    model = build(family)
+    QATController(policy="default").prepare(model)
     load = ExpertLoad()
-    assert load.attach(model) == 2  # the two layers' routers
+    load.attach(model)
     batch = _batches(1)[0]
     with torch.no_grad():
         model(batch)
     counts = load.snapshot()
-    assert set(counts) == {"model.layers.0.mlp.gate", "model.layers.1.mlp.gate"}
-    top_k = model.config.num_experts_per_tok
-    assert all(len(c) == 4 and sum(c) == batch.numel() * top_k for c in counts.values())
+    experts = fused_expert_containers(model)
+    assert {f"{router.rpartition('.')[0]}.experts" for router in counts} == set(experts)
+    cfg = model.config.get_text_config()
+    names = ("num_experts_per_tok", "top_k_experts", "moe_topk", "moe_k")
+    top_k = next(getattr(cfg, a) for a in names if hasattr(cfg, a))
+    for router, per_expert in counts.items():
+        assert len(per_expert) == experts[f"{router.rpartition('.')[0]}.experts"].num_experts
+        if family == "Zaya":  # a token routed to the skip class reaches no expert
+            assert 0 < sum(per_expert) <= batch.numel() * top_k
+        else:
+            assert sum(per_expert) == batch.numel() * top_k, router
 
 
 @pytest.mark.parametrize("family", sorted(OTHER_LAYOUT_MOE))
