@@ -202,8 +202,8 @@ def quantized_weight_memory(model: nn.Module, weight_formats: dict[str, str] | N
     """Bytes of all parameters when linear weights are stored in their quantized format (scales
     included) and everything else in bf16; ``ratio_vs_bf16`` compares with an all-bf16 model.
 
-    Formats come from the modules' weight quantizers, or from ``weight_formats`` (module name ->
-    format name) for a model rebuilt from an export, which has no quantizers left.
+    Formats come from ``weight_formats`` (module or fused expert projection name -> format name) for a model
+    rebuilt from an export, whose weights are stored dequantized, else from the modules' weight quantizers.
     """
     from ..numerics.formats import get_format
 
@@ -212,15 +212,34 @@ def quantized_weight_memory(model: nn.Module, weight_formats: dict[str, str] | N
     total_q = 0.0
     handled: set[int] = set()
     bits_hist: dict[str, int] = {}
+
+    def count(numel: int, fmt: Any) -> None:
+        nonlocal total_bf16, total_q
+        total_bf16 += numel * 2
+        total_q += fmt.weight_bytes(numel) if not fmt.is_full_precision else numel * 2
+        bits_hist[fmt.name] = bits_hist.get(fmt.name, 0) + numel
+
     for name, m in model.named_modules():
         w = getattr(m, "weight", None)
         q = getattr(m, "weight_quantizer", None)
         if isinstance(w, torch.Tensor) and (q is not None or name in weight_formats) and id(w) not in handled:
             handled.add(id(w))
-            fmt = format_of_quantizer(q) if q is not None else get_format(weight_formats[name])
-            total_bf16 += w.numel() * 2
-            total_q += fmt.weight_bytes(w.numel()) if not fmt.is_full_precision else w.numel() * 2
-            bits_hist[fmt.name] = bits_hist.get(fmt.name, 0) + w.numel()
+            count(w.numel(), get_format(weight_formats[name]) if name in weight_formats else format_of_quantizer(q))
+        # fused expert containers (transformers 5): one 3-D weight per projection, a weight quantizer per expert
+        # (or, transposed, one for all of them)
+        for proj in ("gate_up_proj", "up_proj", "down_proj"):
+            w = m._parameters.get(proj)
+            per_expert = getattr(m, f"{proj}_weight_quantizers", None)
+            shared = getattr(m, f"{proj}_weight_quantizer", None)
+            exported = weight_formats.get(f"{name}.{proj}")  # a model rebuilt from an export: the projection's
+            if w is None or w.dim() != 3 or id(w) in handled:
+                continue
+            if per_expert is None and shared is None and not exported:
+                continue
+            handled.add(id(w))
+            for i in range(w.shape[0]):
+                q = per_expert[i] if per_expert is not None else shared
+                count(w[i].numel(), get_format(exported) if exported else format_of_quantizer(q))
     for p in model.parameters():
         if id(p) not in handled:
             handled.add(id(p))

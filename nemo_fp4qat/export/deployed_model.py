@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from ..numerics.fake_quant import fake_quant_fp8, fake_quant_nvfp4
 from ..transformers_compat import rope_fields
+from .engine_fields import layer_entry
 from .reader import head_counts, load_export, merge_ranks
 from .unpack import dequantize_linear
 
@@ -57,7 +58,7 @@ class DeployedModel:
     model: nn.Module  # a transformers causal LM in eval mode
     tokenizer: Any
     kind: str  # "hf" | "trtllm"
-    algos: dict[str, str]  # HF module name -> quant_algo of its exported weights
+    algos: dict[str, str]  # HF module (or fused expert projection) name -> quant_algo of its exported weights
 
     @property
     def weight_formats(self) -> dict[str, str]:
@@ -149,18 +150,21 @@ def load_deployed_model(export_dir: str | Path, dtype: torch.dtype = torch.float
             mod, _, attr = k.rpartition(".")
             modules.setdefault(mod, ({}, None))[0][attr] = v
         for mod, (t, _) in list(modules.items()):
-            algo = mixed.get(mod, {}).get("quant_algo") if mixed else qcfg.get("quant_algo")
+            algo = (layer_entry(mod, mixed) or {}).get("quant_algo") if mixed else qcfg.get("quant_algo")
             modules[mod] = (t, algo if ("weight_scale" in t and mod not in excluded and algo) else None)
         tok_dir = path
     else:
         config = _hf_config_from_trtllm(qcfg["_config"])
         modules = _trtllm_modules(path, qcfg, ranks)
         tok_dir = path / "tokenizer"
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    model = _causal_lm(config, dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(tok_dir) if (tok_dir / "tokenizer_config.json").is_file() else None
     params = dict(model.named_parameters())
     algos: dict[str, str] = {}
     missing = set(params)
+    fused_inputs: dict[str, tuple[str, torch.Tensor]] = {}
+    if kind == "hf":  # a transformers 5 model loads its hub layout renamed, experts into its fused projections
+        modules = _fused_experts_loaded(model, modules, dtype, algos, missing, fused_inputs)
     with torch.no_grad():
         for mod, (t, algo) in modules.items():
             if algo:
@@ -179,7 +183,90 @@ def load_deployed_model(export_dir: str | Path, dtype: torch.dtype = torch.float
         missing.discard("lm_head.weight")
     if missing:
         raise ValueError(f"{path}: the export has no tensors for {sorted(missing)[:4]} ({len(missing)} in all).")
+    _fused_input_quantizers(model, fused_inputs)
     return DeployedModel(model, tokenizer, kind, algos)
+
+
+def _fused_experts_loaded(
+    model: nn.Module,
+    modules: dict[str, tuple[dict[str, torch.Tensor], str | None]],
+    dtype: torch.dtype,
+    algos: dict[str, str],
+    missing: set[str],
+    fused_inputs: dict[str, tuple[str, torch.Tensor]],
+) -> dict[str, tuple[dict[str, torch.Tensor], str | None]]:
+    """Load each exported expert linear that belongs in a fused container (transformers 5) into its slice,
+    collecting each fused projection's input scale; return the other modules under the names ``model`` holds
+    them by (the hub's layout renamed as ``from_pretrained`` would)."""
+    from ..qat.experts.fused import fused_expert_slot
+    from .hub_names import model_name_resolver, model_tensor_resolver
+
+    resolve, tensor = model_name_resolver(model), model_tensor_resolver(model)
+    held = dict(model.named_modules())
+    params = {n for n, _ in model.named_parameters()}
+    rest: dict[str, tuple[dict[str, torch.Tensor], str | None]] = {}
+    unfilled: dict[str, int] = {}
+    with torch.no_grad():
+        for mod, (t, algo) in modules.items():
+            name = resolve(mod)
+            slot = fused_expert_slot(held, name) if name not in held else None
+            if slot is None:
+                for attr, v in t.items():  # a renaming can reach the tensor's own name (a bias, a sink)
+                    key = f"{name}.{attr}" if f"{name}.{attr}" in params else tensor(f"{mod}.{attr}")
+                    target, _, leaf = key.rpartition(".") if key in params else (name, "", attr)
+                    rest.setdefault(target, ({}, algo))[0][leaf] = v
+                continue
+            container, fused, view = slot
+            w = t["weight"] if not algo or t["weight"].dtype == torch.float64 else dequantize_linear(t, algo)
+            view.copy_(w.to(dtype))
+            param = f"{container}.{fused}"
+            unfilled.setdefault(param, getattr(held[container], fused).shape[0] * (2 if fused == "gate_up_proj" else 1))
+            unfilled[param] -= 1
+            if algo:  # by the fused projection's name (its policy row's)
+                algos[param] = str(algo).upper()
+                if t.get("input_scale") is not None:  # one input scale per projection, shared by its experts
+                    fused_inputs[param] = (algos[param], t["input_scale"])
+    missing.difference_update(p for p, left in unfilled.items() if left == 0)
+    return rest
+
+
+def _fused_input_quantizers(model: nn.Module, inputs: dict[str, tuple[str, torch.Tensor]]) -> None:
+    """Quantize each fused projection's input as the runtime does, with its exported scale: through modelopt's
+    fused-expert quantizers, the only place a fused container's per-expert inputs are reachable (its forward calls
+    ``F.linear`` per expert), weights left as the export dequantized them."""
+    if not inputs:
+        return
+    import modelopt.torch.quantization as mtq
+
+    from ..qat.experts.fused import run_experts_eagerly
+    from ..qat.modelopt_compat import build_quant_cfg
+
+    input_format = {"NVFP4": ("nvfp4", 6 * 448), "FP8": ("fp8", 448), "W4A8_NVFP4_FP8": ("fp8", 448)}
+    unknown = {algo for algo, _ in inputs.values()} - set(input_format)
+    if unknown:
+        raise ValueError(f"fused experts exported with {sorted(unknown)} inputs: no runtime emulation for them here")
+    run_experts_eagerly(model)
+    assignment = {param: ("bf16", input_format[algo][0]) for param, (algo, _) in inputs.items()}
+    mtq.quantize(model, build_quant_cfg(assignment, algorithm=None), forward_loop=None)
+    for param, (algo, scale) in inputs.items():
+        container, _, fused = param.rpartition(".")
+        quantizer = getattr(model.get_submodule(container), f"{fused}_input_quantizer")
+        quantizer.amax = scale.detach().float().reshape(()) * input_format[algo][1]
+
+
+def _causal_lm(config: Any, dtype: torch.dtype) -> nn.Module:
+    """The causal LM ``config`` names, built from it: through the auto class, or by the class its
+    ``architectures`` names where the auto class does not list the config (transformers 5's Mistral 4)."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except ValueError:
+        names = [a for a in getattr(config, "architectures", None) or [] if hasattr(transformers, a)]
+        if not names:
+            raise
+        return getattr(transformers, names[0])._from_config(config, dtype=dtype)
 
 
 def _plain_hf_dir(path: Path) -> bool:

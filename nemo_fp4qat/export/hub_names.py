@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.nn as nn
 
-__all__ = ["model_name_resolver"]
+__all__ = ["model_name_resolver", "model_tensor_resolver"]
 
 # the leaf of an expert's first fused projection by its place among the converter's sources (gate, then up)
 _GATED_LEAVES = ("gate_proj", "up_proj")
@@ -64,9 +64,27 @@ def model_name_resolver(model: nn.Module) -> Callable[[str], str]:
                 continue
             target = converter.target_patterns[0].rstrip(".").rpartition(".")[2]
             place = converter.source_patterns.index(pattern)
-            prefix = key[: -len(".weight")].rpartition(".")[0]  # "<container>.experts.<i>"
-            leaf = _GATED_LEAVES[place] if target == "gate_up_proj" and place < 2 else target
-            return f"{prefix}.{leaf}"
-        return key[: -len(".weight")]
+            prefix = key.rpartition(".")[0].rpartition(".")[0]  # "<container>.experts.<i>"
+            proj = _GATED_LEAVES[place] if target == "gate_up_proj" and place < 2 else target
+            return f"{prefix}.{proj}"
+        return key.rpartition(".")[0]
+
+    return resolve
+
+
+def model_tensor_resolver(model: nn.Module) -> Callable[[str], str]:
+    """A function from an exported tensor's name to the name ``model`` holds it by, for renamings that reach the
+    tensor's own name (MiMo-V2's ``attention_sink_bias`` for ``sinks``, Ernie 4.5's ``moe_statics`` moved under the
+    router); the name itself where no renaming gives one ``model`` holds."""
+    ways = [_conversions(model, prefixes=True)[0], _conversions(model)[0]]
+    if not any(ways):
+        return lambda name: name
+    from transformers.core_model_loading import rename_source_key
+
+    held = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+
+    def resolve(name: str) -> str:
+        found = [rename_source_key(name, renamings, [])[0] for renamings in ways]
+        return next((f for f in found if f in held), name)
 
     return resolve

@@ -44,7 +44,7 @@ from nemo_fp4qat.qat.calibration.scale_levers import (
 from nemo_fp4qat.qat.calibration.smoothing import SmoothingSite, smooth_model
 from nemo_fp4qat.qat.calibration.w4a8_scaling import scale_w4a8_weight_amax
 from nemo_fp4qat.qat.config import QATConfig, check_levers
-from nemo_fp4qat.qat.experts.fused import is_fused_projection, quantizer_glob, quantizer_owner
+from nemo_fp4qat.qat.experts.fused import is_fused_projection, quantizer_glob, quantizer_owner, run_experts_eagerly
 from nemo_fp4qat.qat.experts.moe import module_standing_for, tie_expert_amax
 from nemo_fp4qat.qat.modelopt_compat import apply_quant_cfg, build_quant_cfg, calibration_algorithm
 from nemo_fp4qat.qat.policy.fused_siblings import find_fused_siblings, share_fused_amax
@@ -241,6 +241,7 @@ class QATController:
 
         table = self.resolve(model)
         self.current = self.formats_at(0)
+        run_experts_eagerly(model)
         try:
             mtq.quantize(model, self._quant_cfg(), forward_loop=None)
         except AssertionError as e:

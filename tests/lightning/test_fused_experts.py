@@ -58,6 +58,30 @@ def test_a_fused_expert_moe_trains_with_qad_and_exports_validated(family, tmp_pa
     assert len(experts) == len(fused_expert_containers(model)) * container.num_experts * (3 if container.gated else 2)
 
 
+# one family per way an export's names reach the model: Mixtral's w1 / w3 / w2 and router renamed, Ernie 4.5's
+# and MiMo-V2's tensors renamed on their own, Gemma 4's router beside the layer's experts, Laguna's shared expert,
+# Mistral 4 not in transformers' auto classes
+@pytest.mark.parametrize("family", ["Mixtral", "Ernie4_5_Moe", "MiMoV2Flash", "Gemma4", "Laguna", "Mistral4"])
+def test_the_served_model_rebuilt_from_a_fused_expert_export_computes_what_trained(family, tmp_path):
+    """This plugin's server rebuilds the export's model class, each exported expert linear loaded into its slice of
+    the fused projection and each projection's input quantized with its exported scale: the trained logits, bit
+    for bit (the export for the "pytorch" runtime keeps float32, as trained)."""
+    from nemo_fp4qat.eval.evaluation import quantized_weight_memory
+    from nemo_fp4qat.export.deployed_model import load_deployed_model
+
+    model = build(family)
+    qad_fit(model, "default")
+    out = export_checkpoint(model, tmp_path / "export", ExportConfig(kind="hf", runtime="pytorch"))
+    served = load_deployed_model(out)
+    assert {a for m, a in served.algos.items() if ".experts." in m} == {"NVFP4"}
+    batch = _batches(1, seed=7)[0]
+    with torch.no_grad():
+        assert torch.equal(served.model(batch).logits, model.eval()(batch).logits)
+    # and it weighs what trained: each expert counted in its exported format
+    deployed = quantized_weight_memory(served.model, served.weight_formats)
+    assert deployed["bytes"] == pytest.approx(quantized_weight_memory(model)["bytes"])
+
+
 def test_every_expert_is_calibrated_even_one_no_token_reaches():
     """An expert the router never picks gets its weight amax from its own weights, and a projection's experts share
     one input amax (the engines' fused MoE kernels take one input scale)."""
@@ -107,6 +131,60 @@ def test_a_precision_switch_moves_every_expert_and_a_resume_restores_them_bit_fo
     batch = _batches(seed=3)[0]
     with torch.no_grad():
         assert torch.equal(resumed(batch).logits, model(batch).logits)
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
+def test_experts_behind_a_wrapper_calibrate_and_train_quantized_whatever_kernel_the_config_names(implementation):
+    """transformers' grouped and batched experts kernels bypass modelopt's quantizers; a model quantized inside a
+    wrapper (a LightningModule, as the callback quantizes by default) still runs its experts through them."""
+    model = build("Mixtral")
+    model.config._experts_implementation = implementation
+    wrapper = torch.nn.Module()
+    wrapper.net = model
+    ctl = QATController(policy="default", forward_fn=lambda m, b: m.net(b), calibration=2)
+    ctl.prepare(wrapper)
+    ctl.calibrate(wrapper, _batches(2))
+    experts = model.model.layers[0].mlp.experts
+    assert model.config._experts_implementation == "eager"
+    for q in (experts.gate_up_proj_input_quantizer, experts.down_proj_input_quantizer):
+        assert q.is_enabled and q.amax is not None and q.amax.isfinite().all()
+    # the experts compute in NVFP4: disabling their quantizers changes the model's output
+    batch = _batches(1, seed=5)[0]
+    with torch.no_grad():
+        quantized = model(batch).logits
+        for m in experts.modules():
+            if m is not experts and type(m).__name__ == "TensorQuantizer":
+                m.disable()
+        assert not torch.allclose(model(batch).logits, quantized)
+
+
+def test_weight_memory_counts_each_fused_expert_in_its_own_format():
+    """bits/weight (the demo's and evaluation's column) stores each expert's slice of a fused weight in its format:
+    NVFP4 (4.5 bits with its scales) where its quantizer is on, 16 bits where it is off."""
+    from nemo_fp4qat.eval.evaluation import quantized_weight_memory
+
+    model = build("Mixtral")
+    QATController(policy="default").prepare(model)
+    experts = model.model.layers[0].mlp.experts
+    experts.gate_up_proj_weight_quantizers[1].disable()
+    mem = quantized_weight_memory(model)
+    enabled = sum(
+        m.gate_up_proj[i].numel() * m.gate_up_proj_weight_quantizers[i].is_enabled
+        + m.down_proj[i].numel() * m.down_proj_weight_quantizers[i].is_enabled
+        for m in (layer.mlp.experts for layer in model.model.layers)
+        for i in range(m.num_experts)
+    )
+    assert (
+        enabled
+        == sum(p.numel() for n, p in model.named_parameters() if ".experts." in n) - experts.gate_up_proj[1].numel()
+    )
+    for layer in model.model.layers:
+        for q in layer.mlp.experts.modules():
+            if type(q).__name__ == "TensorQuantizer":
+                q.disable()
+    unquantized_experts = quantized_weight_memory(model)
+    assert unquantized_experts["bytes"] - mem["bytes"] == pytest.approx(enabled * (2 - 4.5 / 8))
+    assert mem["bytes_bf16"] == unquantized_experts["bytes_bf16"]
 
 
 @pytest.mark.parametrize("family", sorted(FUSED_MOE))

@@ -36,10 +36,12 @@ __all__ = [
     "expert_weight_quantizers",
     "fused_expert_containers",
     "fused_expert_reference",
+    "fused_expert_slot",
     "is_fused_projection",
     "is_transposed_experts",
     "quantizer_glob",
     "quantizer_owner",
+    "run_experts_eagerly",
     "unsupported_fused_experts",
 ]
 
@@ -106,6 +108,36 @@ def _standard_layout(module: nn.Module) -> tuple[str, ...] | None:
     return None
 
 
+_SUB_CONFIGS = ("text_config", "vision_config", "audio_config", "speech_config")
+
+
+def run_experts_eagerly(model: nn.Module) -> int:
+    """Point every fused expert container of ``model`` at transformers' eager experts forward (``F.linear`` per
+    expert), the only one modelopt's fused-expert quantizers see; returns how many configs were switched.
+
+    transformers 5 dispatches a fused container's forward by ``config._experts_implementation`` (``grouped_mm`` or
+    ``batched_mm`` by default where torch has them), and those kernels bypass the quantizers: calibration collects
+    nothing and training runs the experts in 16 bits. modelopt switches the config itself only when the model it
+    quantizes is the Hugging Face model; this reaches every config inside a wrapper (a LightningModule, a
+    distillation model) too.
+    """
+    if not any(_standard_layout(m) is not None or is_transposed_experts(m) for m in model.modules()):
+        return 0
+    seen: set[int] = set()
+
+    def force(cfg: object) -> int:
+        if cfg is None or id(cfg) in seen:
+            return 0
+        seen.add(id(cfg))
+        n = 0
+        if getattr(cfg, "_experts_implementation", "eager") != "eager":
+            cfg._experts_implementation = "eager"  # type: ignore[attr-defined]
+            n = 1
+        return n + sum(force(getattr(cfg, sub, None)) for sub in _SUB_CONFIGS)
+
+    return sum(force(getattr(m, "config", None)) for m in model.modules())
+
+
 def fused_expert_containers(model: nn.Module) -> dict[str, FusedExperts]:
     """Every fused expert container of ``model`` in the standard layout, by module name."""
     found = {}
@@ -165,30 +197,53 @@ def quantizer_owner(qname: str) -> tuple[str, str] | None:
     return None
 
 
-def fused_expert_reference(modules: dict[str, nn.Module], name: str, quantized: bool = True) -> torch.Tensor | None:
-    """The trained weight of the exported expert linear ``name`` (``<container>.experts.<i>.gate_proj`` ...) that a
-    fused container holds: expert ``i``'s slice of the fused projection through its weight quantizer (or, with
-    ``quantized=False``, before it), the gate / up half of a gated ``gate_up_proj`` [gate; up]; None where ``name``
-    is not one."""
+def _exported_expert(modules: dict[str, nn.Module], name: str) -> tuple[str, nn.Module, str, int, str] | None:
+    """``(container name, container, fused projection, expert index, half)`` the exported expert linear ``name``
+    comes from (half: "gate" / "up" of a gated ``gate_up_proj`` [gate; up], else "")."""
     m = _EXPORTED_EXPERT.match(name)
     container = modules.get(m["container"]) if m is not None else None
     layout = _standard_layout(container) if container is not None else None
     if layout is None:
         return None
-    proj, index = m["proj"], int(m["index"])
+    proj = m["proj"]
     fused = "down_proj" if proj == "down_proj" else layout[0]
     if fused == "up_proj" and proj == "gate_proj":
         return None
+    half = proj.removesuffix("_proj") if fused == "gate_up_proj" else ""
+    return m["container"], container, fused, int(m["index"]), half
+
+
+def _half(weight: torch.Tensor, half: str) -> torch.Tensor:
+    rows = weight.shape[0] // 2
+    return weight[:rows] if half == "gate" else weight[rows:] if half == "up" else weight
+
+
+def fused_expert_reference(modules: dict[str, nn.Module], name: str, quantized: bool = True) -> torch.Tensor | None:
+    """The trained weight of the exported expert linear ``name`` (``<container>.experts.<i>.gate_proj`` ...) that a
+    fused container holds: expert ``i``'s slice of the fused projection through its weight quantizer (or, with
+    ``quantized=False``, before it), the gate / up half of a gated ``gate_up_proj`` [gate; up]; None where ``name``
+    is not one."""
+    found = _exported_expert(modules, name)
+    if found is None:
+        return None
+    _, container, fused, index, half = found
     weight = getattr(container, fused)[index].detach()
     quantizers = getattr(container, f"{fused}_weight_quantizers", None)
     if quantizers is None:
         return None
     with torch.no_grad():
-        ref = quantizers[index](weight) if quantized else weight
-    if fused == "gate_up_proj":
-        half = ref.shape[0] // 2
-        ref = ref[:half] if proj == "gate_proj" else ref[half:]
-    return ref
+        return _half(quantizers[index](weight) if quantized else weight, half)
+
+
+def fused_expert_slot(modules: dict[str, nn.Module], name: str) -> tuple[str, str, torch.Tensor] | None:
+    """``(container name, fused projection, writable view)``: where the exported expert linear ``name`` goes in an
+    unquantized fused container (loading an export into the model class that trained it); None where ``name`` is
+    not one."""
+    found = _exported_expert(modules, name)
+    if found is None:
+        return None
+    container_name, container, fused, index, half = found
+    return container_name, fused, _half(getattr(container, fused).data[index], half)
 
 
 def expert_weight_quantizers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, nn.Module, nn.Module | None]]:
