@@ -61,20 +61,26 @@ lint: $(CORE)/.stamp
 
 # Each suite of make test leaves its per-test times in .pytest-tmp/junit-<suite>.xml (docs/testing.md reads them).
 JUNIT = --junitxml=$(CURDIR)/.pytest-tmp/junit-$(1).xml
+# The core suite runs in two pytest-xdist workers, whole files to a worker (module fixtures built once), each torch
+# process on one thread: two workers of two threads each on two cores spend more time spinning than computing
+# (16:44 against 7:30 measured, docs/testing.md). TORCH_THREADS=1 does the same for the nemo and Bridge suites,
+# which make test runs side by side.
+XDIST ?= -n 2 --dist loadfile
+THREADS = $(if $(TORCH_THREADS),OMP_NUM_THREADS=$(TORCH_THREADS))
 test-core: $(CORE)/.stamp
-	$(CORE)/bin/python -m pytest -q -m "not nemo and not bridge and not slow_core" $(call JUNIT,core) \
-		$(if $(PYTEST_TMP),--basetemp=$(CURDIR)/.pytest-tmp/core) tests
+	OMP_NUM_THREADS=1 $(CORE)/bin/python -m pytest -q $(XDIST) -m "not nemo and not bridge and not slow_core" \
+		$(call JUNIT,core) $(if $(PYTEST_TMP),--basetemp=$(CURDIR)/.pytest-tmp/core) tests
 
 # Every core test: make test's subset plus the mixture-of-experts demo on the upcycled SmolLM2 (about 5 minutes).
 test-core-all: $(CORE)/.stamp
-	$(CORE)/bin/python -m pytest -q -m "not nemo and not bridge" tests
+	OMP_NUM_THREADS=1 $(CORE)/bin/python -m pytest -q $(XDIST) -m "not nemo and not bridge" tests
 
 # The nemo environment runs the NeMo tests (marker `nemo`, which must run there) and reruns the tests marked
 # `twice`, each with its reason: what modelopt 0.37, transformers 4.57 or megatron-core changes for it (quantizers,
 # calibration, QAT, export). `core_only` leaves one test of such a module to the core environment.
 NEMO_TESTS := (nemo or twice) and not core_only and not bridge
 test-nemo: $(NEMO)/.stamp
-	NEMO_FP4QAT_REQUIRE_NEMO=1 $(NEMO)/bin/python -m pytest -q -m "$(NEMO_TESTS) and not slow_nemo" $(call JUNIT,nemo) \
+	$(THREADS) NEMO_FP4QAT_REQUIRE_NEMO=1 $(NEMO)/bin/python -m pytest -q -m "$(NEMO_TESTS) and not slow_nemo" $(call JUNIT,nemo) \
 		$(if $(PYTEST_TMP),--basetemp=$(CURDIR)/.pytest-tmp/nemo) tests
 
 # Every NeMo test: make test's subset plus QAD and export under pipeline parallelism, TP x PP and the kill/resume test.
@@ -83,7 +89,7 @@ test-nemo-all: $(NEMO)/.stamp
 
 # Megatron-Bridge (marker `bridge`): the representative subset here; `make test-bridge-all` runs every Bridge test.
 test-bridge: $(BRIDGE)/.stamp
-	NEMO_FP4QAT_REQUIRE_BRIDGE=1 $(BRIDGE)/bin/python -m pytest -q -m "bridge and not slow_bridge" $(call JUNIT,bridge) \
+	$(THREADS) NEMO_FP4QAT_REQUIRE_BRIDGE=1 $(BRIDGE)/bin/python -m pytest -q -m "bridge and not slow_bridge" $(call JUNIT,bridge) \
 		$(if $(PYTEST_TMP),--basetemp=$(CURDIR)/.pytest-tmp/bridge) tests/bridge
 
 test-bridge-all: $(BRIDGE)/.stamp
@@ -116,8 +122,8 @@ test-engines: $(CORE)/.stamp $(ENGINES)/.stamp $(SGLANG)/.stamp
 	NEMO_FP4QAT_ENGINES_PYTHON=$(CURDIR)/$(ENGINES)/bin/python NEMO_FP4QAT_SGLANG_PYTHON=$(CURDIR)/$(SGLANG)/bin/python \
 		$(CORE)/bin/python -m pytest -q -m engines tests
 
-# The three environments build side by side; the core suite runs alone (it uses both cores), then the nemo and
-# Bridge suites side by side (Bridge's spends most of its time starting worker processes), each with a temporary
+# The three environments build side by side; the core suite runs alone (two workers on the two cores), then the nemo
+# and Bridge suites side by side, one thread per torch process (Bridge's spends most of its time starting worker processes), each with a temporary
 # folder of its own and its output kept together. All three side by side measured slower (35:44 against about 25
 # minutes on 2 cores: six torch threads on two cores), and the core suite beside the nemo one ran out of 24 GiB.
 test:
@@ -125,7 +131,7 @@ test:
 	$(MAKE) -j3 env
 	$(MAKE) lint test-core
 	mkdir -p .pytest-tmp
-	$(MAKE) -j2 --output-sync=target test-nemo test-bridge PYTEST_TMP=1
+	$(MAKE) -j2 --output-sync=target test-nemo test-bridge PYTEST_TMP=1 TORCH_THREADS=1
 
 # Benchmark-only peers (torchao) live in their own folder, on PYTHONPATH for the accuracy bench only:
 # the package, its tests and transformers (which imports torchao when present) never see them.
