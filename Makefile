@@ -123,9 +123,10 @@ test-engines: $(CORE)/.stamp $(ENGINES)/.stamp $(SGLANG)/.stamp
 		$(CORE)/bin/python -m pytest -q -m engines tests
 
 # The three environments build side by side; the core suite runs alone (two workers on the two cores), then the nemo
-# and Bridge suites side by side, one thread per torch process (Bridge's spends most of its time starting worker processes), each with a temporary
-# folder of its own and its output kept together. All three side by side measured slower (35:44 against about 25
-# minutes on 2 cores: six torch threads on two cores), and the core suite beside the nemo one ran out of 24 GiB.
+# and Bridge suites side by side, one thread per torch process (Bridge's spends most of its time starting worker
+# processes), each with a temporary folder of its own and its output kept together. All three side by side measured
+# slower (35:44 against about 25 minutes on 2 cores: six torch threads on two cores), and the core suite beside the
+# nemo one ran out of 24 GiB.
 test:
 	$(MAKE) $(UV)
 	$(MAKE) -j3 env
