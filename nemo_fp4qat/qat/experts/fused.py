@@ -111,31 +111,32 @@ def _standard_layout(module: nn.Module) -> tuple[str, ...] | None:
 _SUB_CONFIGS = ("text_config", "vision_config", "audio_config", "speech_config")
 
 
-def run_experts_eagerly(model: nn.Module) -> int:
+def run_experts_eagerly(model: nn.Module) -> None:
     """Point every fused expert container of ``model`` at transformers' eager experts forward (``F.linear`` per
-    expert), the only one modelopt's fused-expert quantizers see; returns how many configs were switched.
+    expert), the only one modelopt's fused-expert quantizers see.
 
     transformers 5 dispatches a fused container's forward by ``config._experts_implementation`` (``grouped_mm`` or
     ``batched_mm`` by default where torch has them), and those kernels bypass the quantizers: calibration collects
-    nothing and training runs the experts in 16 bits. modelopt switches the config itself only when the model it
-    quantizes is the Hugging Face model; this reaches every config inside a wrapper (a LightningModule, a
-    distillation model) too.
+    nothing and training runs the experts in 16 bits. modelopt's own switch
+    (``force_eager_experts_impl_on_the_fly``) reaches only the root's config, and only when the root is the Hugging
+    Face model, and leaves gpt-oss's transposed containers (dispatched the same way) out; this reaches every config
+    inside a wrapper (a LightningModule, a distillation model) too.
     """
     if not any(_standard_layout(m) is not None or is_transposed_experts(m) for m in model.modules()):
-        return 0
+        return
     seen: set[int] = set()
 
-    def force(cfg: object) -> int:
+    def force(cfg: object) -> None:
         if cfg is None or id(cfg) in seen:
-            return 0
+            return
         seen.add(id(cfg))
-        n = 0
         if getattr(cfg, "_experts_implementation", "eager") != "eager":
             cfg._experts_implementation = "eager"  # type: ignore[attr-defined]
-            n = 1
-        return n + sum(force(getattr(cfg, sub, None)) for sub in _SUB_CONFIGS)
+        for sub in _SUB_CONFIGS:
+            force(getattr(cfg, sub, None))
 
-    return sum(force(getattr(m, "config", None)) for m in model.modules())
+    for m in model.modules():
+        force(getattr(m, "config", None))
 
 
 def fused_expert_containers(model: nn.Module) -> dict[str, FusedExperts]:
