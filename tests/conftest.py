@@ -27,12 +27,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # marker -> the variable that makes a session fail when none of its tests ran or any was skipped
 _REQUIRED = {"nemo": "NEMO_FP4QAT_REQUIRE_NEMO", "bridge": "NEMO_FP4QAT_REQUIRE_BRIDGE"}
-_seen = {m: {"collected": 0, "skipped": [], "passed": 0} for m in _REQUIRED}
+# counted from the test reports, which a pytest-xdist controller receives from its workers (it collects nothing)
+_seen: dict[str, dict] = {m: {"ran": set(), "skipped": [], "passed": 0} for m in _REQUIRED}
 
 
 def pytest_collection_modifyitems(config, items):
-    for marker, seen in _seen.items():
-        seen["collected"] = sum(1 for it in items if it.get_closest_marker(marker))
     unexplained = sorted({it.nodeid.split("::")[0] for it in items if (m := it.get_closest_marker("twice")) is not None
                           and not (m.args and isinstance(m.args[0], str) and m.args[0].strip())})  # fmt: skip
     if unexplained:
@@ -42,6 +41,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_logreport(report):
     for marker, seen in _seen.items():
         if marker in report.keywords and report.when in ("setup", "call"):
+            seen["ran"].add(report.nodeid)
             if report.skipped:
                 seen["skipped"].append(report.nodeid)
             elif report.when == "call" and report.passed:
@@ -49,12 +49,14 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    if hasattr(session.config, "workerinput"):  # a pytest-xdist worker: its controller checks the whole session
+        return
     for marker, var in _REQUIRED.items():
         if os.environ.get(var) != "1":
             continue
         seen, problems = _seen[marker], []
-        if seen["collected"] == 0:
-            problems.append(f"no @pytest.mark.{marker} test was collected")
+        if not seen["ran"]:
+            problems.append(f"no @pytest.mark.{marker} test ran")
         if seen["skipped"]:
             problems.append(f"{len(seen['skipped'])} {marker} tests were skipped: {seen['skipped'][:5]}")
         if problems:

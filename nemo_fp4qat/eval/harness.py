@@ -18,6 +18,7 @@ Standard tasks (``hellaswag``, ``mmlu``, ``gsm8k`` ...) are taken by name where 
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -112,10 +113,9 @@ def run_lm_eval(
     """
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
 
     paths = include_path if isinstance(include_path, list) else [include_path] if include_path else []
-    manager = TaskManager(include_path=[str(p) for p in paths] or None)
+    manager = _task_manager(tuple(str(Path(p).resolve()) for p in paths), tuple(tasks))
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise ValueError(
@@ -134,6 +134,20 @@ def run_lm_eval(
         kept = {k: v for k, v in results.items() if k != "samples"}
         path.write_text(json.dumps(kept, indent=2, default=handle_non_serializable))
     return results
+
+
+@functools.lru_cache(maxsize=8)
+def _task_manager(include_paths: tuple[str, ...], tasks: tuple[str, ...]) -> Any:
+    """lm-eval's task index for ``tasks``: of ``include_paths`` alone when they hold every task, else with lm-eval's
+    own tasks too. Kept per process: indexing lm-eval's thousands of task YAMLs costs seconds every time, and the
+    demo scores five variants on the same tasks (the YAMLs are read again by each ``simple_evaluate``)."""
+    from lm_eval.tasks import TaskManager
+
+    if include_paths:
+        local = TaskManager(include_path=list(include_paths), include_defaults=False)
+        if all(t in local.all_tasks for t in tasks):
+            return local
+    return TaskManager(include_path=list(include_paths) or None)
 
 
 def document_scores(results: dict[str, Any], task: str, metric: str = "acc") -> list[float]:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from paths import WORKERS, worker_env
+from preloaded import FORK_SERVER, PreloadedProcess
 
 # Named points (EVENT:N, see kill_resume_worker): calibration (first and switch recalibrations), each
 # switch, steps, checkpoint writes (torn files), and every stage of the export. An uninterrupted run has
@@ -89,10 +90,17 @@ def _run_worker(harness: Harness, run_dir: Path, spec: str | None, timeout: floa
                 kill_after: float | None = None) -> int:  # fmt: skip
     # NeMo initialises torch.distributed (gloo) in each process: a fresh port each time
     env = worker_env(PYTHONWARNINGS="ignore", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    cmd = [harness.python, str(harness.worker), str(run_dir), *([spec] if spec else [])]
-    with open(run_dir.parent / f"{run_dir.name}.log", "ab") as log:
-        # its own session = its own process group, which a kill takes down whole (the worker's children too)
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+    argv = [str(run_dir), *([spec] if spec else [])]
+    log = run_dir.parent / f"{run_dir.name}.log"
+    # its own session = its own process group, which a kill takes down whole (the worker's children too)
+    proc: PreloadedProcess | subprocess.Popen
+    if FORK_SERVER and harness.python == sys.executable:  # forked from a process that imported its libraries once
+        proc = PreloadedProcess(None, harness.worker, argv, env, Path.cwd(), None, new_session=True,
+                                stdout=Path(os.devnull), stderr=log)  # fmt: skip
+    else:
+        with open(log, "ab") as err:
+            proc = subprocess.Popen([harness.python, str(harness.worker), *argv], env=env, stdout=subprocess.DEVNULL,
+                                    stderr=err, start_new_session=True)  # fmt: skip
     if kill_after is not None:
         try:
             return proc.wait(timeout=kill_after)

@@ -20,13 +20,17 @@ FORK_SERVER = os.environ.get("NEMO_FP4QAT_TEST_FORK_SERVER", "1") != "0"
 _PRELOADED: list[str] = []
 
 
-def _run_script(script: str, argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
+def _run_script(script: str, argv: list[str], env: dict[str, str], cwd: str, out: str, err: str,
+                new_session: bool = False, append: bool = False) -> None:  # fmt: skip
     """The forked child: the worker's environment, working folder and output files, then its script as __main__."""
+    if new_session:  # its own process group, which a kill takes down whole (as Popen's start_new_session)
+        os.setsid()
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
+    mode = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
     for fd, path in ((1, out), (2, err)):
-        handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        handle = os.open(path, mode, 0o644)
         os.dup2(handle, fd)
         os.close(handle)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
@@ -60,37 +64,78 @@ def _run_script(script: str, argv: list[str], env: dict[str, str], cwd: str, out
     os._exit(code if isinstance(code, int) else (0 if code is None else 1))
 
 
+def session_preload() -> list[str]:
+    """What this environment's workers import: NeMo's stack in the nemo environment, Megatron-Bridge's in the Bridge
+    one, else torch, Lightning, transformers and modelopt (the core environment's workers). The server is one per test
+    process and takes its preload on first use, so every caller in a session asks for the same."""
+    from importlib.util import find_spec
+
+    if find_spec("nemo") is not None:
+        return ["nemo_preload"]
+    if find_spec("megatron") is not None and find_spec("megatron.bridge") is not None:
+        return ["bridge_preload"]
+    return ["core_preload"]
+
+
+def preloaded_context(preload: list[str] | None = None) -> Any:
+    """multiprocessing's fork server context, the server preloaded with ``preload`` (None: :func:`session_preload`)
+    when this is its first use: ``ctx.Process(target=...)`` forks from it."""
+    global _PRELOADED
+    ctx = mp.get_context("forkserver")
+    if not _PRELOADED:  # the server starts on first use, with what it was told to import by then
+        preload = session_preload() if preload is None else preload
+        ctx.set_forkserver_preload(preload)
+        _PRELOADED = list(preload)
+        # the server imports them before it takes this process's sys.path (Python 3.11 / 3.12): the helpers
+        # folder goes on the PYTHONPATH it starts with, or a preload module there is skipped without a word
+        here = str(Path(__file__).parent)
+        paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        os.environ["PYTHONPATH"] = os.pathsep.join([here, *[p for p in paths if p != here]])
+    return ctx
+
+
 class PreloadedProcess:
     """A worker script run in a child of the preloaded fork server; ``communicate`` as ``subprocess.Popen``'s."""
 
-    def __init__(self, preload: list[str], script: str | Path, argv: list[str], env: dict[str, str], cwd: str | Path,
-                 logs: Path) -> None:  # fmt: skip
-        global _PRELOADED
-        ctx = mp.get_context("forkserver")
-        if not _PRELOADED:  # the server starts on first use, with what it was told to import by then
-            ctx.set_forkserver_preload(preload)
-            _PRELOADED = list(preload)
-            # the server imports them before it takes this process's sys.path (Python 3.11 / 3.12): the helpers
-            # folder goes on the PYTHONPATH it starts with, or a preload module there is skipped without a word
-            here = str(Path(__file__).parent)
-            paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-            os.environ["PYTHONPATH"] = os.pathsep.join([here, *[p for p in paths if p != here]])
-        logs.mkdir(parents=True, exist_ok=True)
-        self._out, self._err = logs / "stdout", logs / "stderr"
-        self._proc = ctx.Process(target=_run_script, args=(str(script), [str(a) for a in argv], dict(env), str(cwd),
-                                                           str(self._out), str(self._err)))  # fmt: skip
+    def __init__(self, preload: list[str] | None, script: str | Path, argv: list[str], env: dict[str, str],
+                 cwd: str | Path, logs: Path | None, new_session: bool = False, stdout: Path | None = None,
+                 stderr: Path | None = None) -> None:  # fmt: skip
+        """Args:
+        preload: the modules the server imports when this is its first use (None: :func:`session_preload`).
+        new_session: the child leads a process group of its own (``os.killpg(proc.pid, ...)`` stops it whole).
+        logs: the folder of the child's ``stdout`` and ``stderr`` files (None: both given as files).
+        stdout, stderr: files the child appends to instead.
+        """
+        ctx = preloaded_context(preload)
+        if stdout is None or stderr is None:
+            assert logs is not None, "logs: the folder of the output files not given"
+            logs.mkdir(parents=True, exist_ok=True)
+        self._out, self._err = stdout or logs / "stdout", stderr or logs / "stderr"  # type: ignore[operator]
+        append = stdout is not None or stderr is not None
+        args = (str(script), [str(a) for a in argv], dict(env), str(cwd), str(self._out), str(self._err), new_session,
+                append)  # fmt: skip
+        self._proc = ctx.Process(target=_run_script, args=args)
         self._proc.start()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit code (negative: the signal that ended it), as ``subprocess.Popen.wait``."""
+        self._proc.join(timeout)
+        if self._proc.is_alive():
+            import subprocess
+
+            raise subprocess.TimeoutExpired(str(self._proc), timeout or 0)
+        return self._proc.exitcode  # type: ignore[return-value]
 
     @property
     def returncode(self) -> int | None:
         return self._proc.exitcode
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
-        self._proc.join(timeout)
-        if self._proc.is_alive():
-            import subprocess
-
-            raise subprocess.TimeoutExpired(str(self._proc), timeout or 0)
+        self.wait(timeout)
         return self._out.read_text(errors="replace"), self._err.read_text(errors="replace")
 
     def kill(self) -> None:

@@ -14,13 +14,17 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from preloaded import FORK_SERVER, preloaded_context
+
 
 def run_two_ranks(worker: Callable[..., None], init: str, *args: Any) -> dict[int, Any]:
     """``worker(rank, init, *args, out)`` on ranks 0 and 1; returns what each wrote to ``out[rank]``."""
     here = not dist.is_initialized()
     with mp.Manager() as manager:  # shut down on exit: an unreferenced Manager's process outlives the test
         shared = manager.dict()
-        ctx = mp.get_context("spawn")
+        # forked from the preloaded fork server (a fresh interpreter per rank spends seconds importing torch,
+        # transformers and modelopt); spawned without it
+        ctx = preloaded_context() if FORK_SERVER else mp.get_context("spawn")
         peers = [ctx.Process(target=worker, args=(r, init, *args, shared)) for r in ((1,) if here else (0, 1))]
         for p in peers:
             p.start()
