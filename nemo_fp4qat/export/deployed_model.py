@@ -53,6 +53,11 @@ _ALGO_WEIGHT_FORMAT = {
 }  # fmt: skip
 
 
+# exported quant_algo -> (format of the layer's inputs, amax / input_scale): NVFP4 inputs carry amax / (6 * 448), the
+# global scale itself; FP8 per-tensor inputs amax / 448
+_INPUT_FORMATS = {"NVFP4": ("nvfp4", 6 * 448), "FP8": ("fp8", 448), "W4A8_NVFP4_FP8": ("fp8", 448)}
+
+
 @dataclass
 class DeployedModel:
     model: nn.Module  # a transformers causal LM in eval mode
@@ -241,17 +246,16 @@ def _fused_input_quantizers(model: nn.Module, inputs: dict[str, tuple[str, torch
     from ..qat.experts.fused import run_experts_eagerly
     from ..qat.modelopt_compat import build_quant_cfg
 
-    input_format = {"NVFP4": ("nvfp4", 6 * 448), "FP8": ("fp8", 448), "W4A8_NVFP4_FP8": ("fp8", 448)}
-    unknown = {algo for algo, _ in inputs.values()} - set(input_format)
+    unknown = {algo for algo, _ in inputs.values()} - set(_INPUT_FORMATS)
     if unknown:
         raise ValueError(f"fused experts exported with {sorted(unknown)} inputs: no runtime emulation for them here")
     run_experts_eagerly(model)
-    assignment = {param: ("bf16", input_format[algo][0]) for param, (algo, _) in inputs.items()}
+    assignment = {param: ("bf16", _INPUT_FORMATS[algo][0]) for param, (algo, _) in inputs.items()}
     mtq.quantize(model, build_quant_cfg(assignment, algorithm=None), forward_loop=None)
     for param, (algo, scale) in inputs.items():
         container, _, fused = param.rpartition(".")
         quantizer = getattr(model.get_submodule(container), f"{fused}_input_quantizer")
-        quantizer.amax = scale.detach().float().reshape(()) * input_format[algo][1]
+        quantizer.amax = scale.detach().float().reshape(()) * _INPUT_FORMATS[algo][1]
 
 
 def _causal_lm(config: Any, dtype: torch.dtype) -> nn.Module:
@@ -283,7 +287,8 @@ def _input_hook(module: nn.Module, algo: str, input_scale: torch.Tensor | None) 
     if input_scale is None:
         return
     scale = input_scale.detach().float().reshape(())
-    if algo == "NVFP4":  # input_scale = amax / (6 * 448): the NVFP4 global scale itself
+    fmt = _INPUT_FORMATS.get(algo, (None, 0.0))[0]
+    if fmt == "nvfp4":  # input_scale: the NVFP4 global scale itself
         module.register_forward_pre_hook(lambda m, a: (fake_quant_nvfp4(a[0], None, global_scale=scale), *a[1:]))
-    elif algo in ("FP8", "W4A8_NVFP4_FP8"):  # FP8 per-tensor inputs, input_scale = amax / 448
+    elif fmt == "fp8":  # FP8 per-tensor inputs
         module.register_forward_pre_hook(lambda m, a: (fake_quant_fp8(a[0], scale=scale), *a[1:]))

@@ -62,3 +62,16 @@ def test_shipped_perplexity_task_and_the_gate_on_lm_eval_metrics(tmp_path, smoll
 def test_unknown_task_is_refused_with_the_shipped_names(tmp_path, smollm2):
     with pytest.raises(ValueError, match=r"knows no task \['no_such_task'\].*fp4qat_next_sentence"):
         run_lm_eval(*smollm2, ["no_such_task"], include_path=write_local_tasks(tmp_path, load_corpus("persuasion")))
+
+
+def test_the_task_index_is_built_once_and_holds_lm_evals_own_tasks_only_when_asked_for_one(tmp_path):
+    """Indexing lm-eval's own task YAMLs costs seconds: a run that asks for the shipped tasks only indexes their
+    folder, and a second run on the same folder and tasks reuses the index."""
+    from nemo_fp4qat.eval.harness import _task_manager
+
+    tasks = str(write_local_tasks(tmp_path, load_corpus("persuasion")).resolve())
+    local = _task_manager((tasks,), ("fp4qat_next_sentence",))
+    assert sorted(local.all_tasks) == sorted(LOCAL_TASKS)
+    assert _task_manager((tasks,), ("fp4qat_next_sentence",)) is local
+    both = _task_manager((tasks,), ("fp4qat_next_sentence", "hellaswag"))
+    assert "hellaswag" in both.all_tasks and "fp4qat_next_sentence" in both.all_tasks
