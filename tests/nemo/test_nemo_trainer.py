@@ -128,7 +128,6 @@ def test_qad_at_tensor_parallel_2_matches_tp_1_from_the_same_base(tmp_path):
         assert r0["losses"][step] == pytest.approx(one["losses"][step], rel=1e-5), (step, one["losses"], r0["losses"])
 
 
-@pytest.mark.slow_nemo
 def test_moe_qad_at_expert_parallel_2_matches_one_rank_from_the_same_base(tmp_path):
     """A mixture-of-experts GPT (4 experts, top 2) through NeMo's trainer: QAD at expert-parallel size 2 (each rank two
     experts, the teacher the base checkpoint loaded at the run's shape) reports the losses of the EP 1 run from the same
