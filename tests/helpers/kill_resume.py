@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from paths import WORKERS, worker_env
-from preloaded import FORK_SERVER, PreloadedProcess
+from preloaded import FORK_SERVER, PreloadedProcess, start_server
 
 # Named points (EVENT:N, see kill_resume_worker): calibration (first and switch recalibrations), each
 # switch, steps, checkpoint writes (torn files), and every stage of the export. An uninterrupted run has
@@ -86,6 +86,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _forked(harness: Harness) -> bool:
+    """Whether the harness's workers fork from the preloaded server (this interpreter's) or start as processes."""
+    return FORK_SERVER and harness.python == sys.executable
+
+
 def _run_worker(harness: Harness, run_dir: Path, spec: str | None, timeout: float = 900,
                 kill_after: float | None = None) -> int:  # fmt: skip
     # NeMo initialises torch.distributed (gloo) in each process: a fresh port each time
@@ -94,7 +99,7 @@ def _run_worker(harness: Harness, run_dir: Path, spec: str | None, timeout: floa
     log = run_dir.parent / f"{run_dir.name}.log"
     # its own session = its own process group, which a kill takes down whole (the worker's children too)
     proc: PreloadedProcess | subprocess.Popen
-    if FORK_SERVER and harness.python == sys.executable:  # forked from a process that imported its libraries once
+    if _forked(harness):  # forked from a process that imported its libraries once
         proc = PreloadedProcess(None, harness.worker, argv, env, Path.cwd(), None, new_session=True,
                                 stdout=Path(os.devnull), stderr=log)  # fmt: skip
     else:
@@ -114,6 +119,8 @@ def reference(root: Path, harness: Harness = LIGHTNING) -> dict:
     """The uninterrupted run, timed (random kill delays are drawn within its wall time)."""
     run = root / "reference"
     run.mkdir(parents=True, exist_ok=True)
+    if _forked(harness):  # random kill delays are drawn within a forked run's time, not the server's start
+        start_server()
     t = time.perf_counter()
     rc = _run_worker(harness, run, None)
     if rc != 0:

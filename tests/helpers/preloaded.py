@@ -94,6 +94,14 @@ def preloaded_context(preload: list[str] | None = None) -> Any:
     return ctx
 
 
+def start_server(preload: list[str] | None = None) -> None:
+    """Start the fork server and wait until it has imported its preload (a first child that does nothing), so that
+    a run timed after it is not charged the imports."""
+    child = preloaded_context(preload).Process(target=os.getpid)
+    child.start()
+    child.join()
+
+
 class PreloadedProcess:
     """A worker script run in a child of the preloaded fork server; ``communicate`` as ``subprocess.Popen``'s."""
 
