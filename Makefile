@@ -67,8 +67,8 @@ lint: $(CORE)/.stamp
 
 # Each suite of make test leaves its per-test times in .pytest-tmp/junit-<suite>.xml (docs/testing.md reads them).
 JUNIT = --junitxml=$(CURDIR)/.pytest-tmp/junit-$(1).xml
-# The core suite runs in two pytest-xdist workers, whole files to a worker (module fixtures built once), each torch
-# process on one thread: two workers of two threads each on two cores spend more time spinning than computing
+# The core and nemo suites run in two pytest-xdist workers, whole files to a worker (module fixtures built once), each
+# torch process on one thread: two workers of two threads each on two cores spend more time spinning than computing
 # (16:44 against 7:30 measured, docs/testing.md). TORCH_THREADS=1 does the same for the nemo and Bridge suites,
 # which make test runs side by side.
 XDIST ?= -n 2 --dist loadfile
@@ -129,8 +129,8 @@ test-engines: $(CORE)/.stamp $(ENGINES)/.stamp $(SGLANG)/.stamp
 		$(CORE)/bin/python -m pytest -q -m engines tests
 
 # The three environments build side by side; the core suite runs alone (two workers on the two cores), then the nemo
-# and Bridge suites side by side, one thread per torch process (Bridge's spends most of its time starting worker
-# processes), each with a temporary folder of its own and its output kept together. All three side by side measured
+# suite (two workers) and the Bridge one side by side, one thread per torch process, each with a temporary folder of
+# its own and its output kept together: the two end within about half a minute of each other. All three side by side measured
 # slower (35:44 against about 25 minutes on 2 cores: six torch threads on two cores), and the core suite beside the
 # nemo one ran out of 24 GiB.
 test:
