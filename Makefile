@@ -130,9 +130,9 @@ test-engines: $(CORE)/.stamp $(ENGINES)/.stamp $(SGLANG)/.stamp
 
 # The three environments build side by side; the core suite runs alone (two workers on the two cores), then the nemo
 # suite (two workers) and the Bridge one side by side, one thread per torch process, each with a temporary folder of
-# its own and its output kept together: the two end within about half a minute of each other. All three side by side measured
-# slower (35:44 against about 25 minutes on 2 cores: six torch threads on two cores), and the core suite beside the
-# nemo one ran out of 24 GiB.
+# its own and its output kept together: the two end within about half a minute of each other. All three side by side
+# measured slower (35:44 against about 25 minutes on 2 cores: six torch threads on two cores), and the core suite
+# beside the nemo one ran out of 24 GiB.
 test:
 	$(MAKE) $(UV)
 	$(MAKE) -j3 env

@@ -26,7 +26,7 @@ def run_bridge_worker(tmp_path, name: str, ckpt, nproc: int = 1, **env) -> dict:
         rank_env = worker_env(**{k: str(v) for k, v in env.items()}, **dist, RANK=str(rank), LOCAL_RANK=str(rank))
         if FORK_SERVER:  # forked from a process that imported Megatron-Bridge once (preloaded.py)
             logs = tmp_path / f"{name}.logs" / f"rank{rank}"
-            procs.append(PreloadedProcess(["bridge_preload"], script, argv, rank_env, Path.cwd(), logs))
+            procs.append(PreloadedProcess(script, argv, rank_env, Path.cwd(), logs))
         else:
             procs.append(subprocess.Popen([sys.executable, str(script), *argv], env=rank_env, stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True))  # fmt: skip

@@ -4,7 +4,6 @@ a two-rank test), imported once in the fork server they are forked from (``prelo
 import lightning.pytorch  # noqa: F401
 import modelopt.torch.quantization  # noqa: F401
 import torch.distributed  # noqa: F401
-import transformers  # noqa: F401
 from transformers import AutoModelForCausalLM  # noqa: F401
 
 import nemo_fp4qat.lightning

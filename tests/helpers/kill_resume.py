@@ -100,7 +100,7 @@ def _run_worker(harness: Harness, run_dir: Path, spec: str | None, timeout: floa
     # its own session = its own process group, which a kill takes down whole (the worker's children too)
     proc: PreloadedProcess | subprocess.Popen
     if _forked(harness):  # forked from a process that imported its libraries once
-        proc = PreloadedProcess(None, harness.worker, argv, env, Path.cwd(), None, new_session=True,
+        proc = PreloadedProcess(harness.worker, argv, env, Path.cwd(), None, new_session=True,
                                 stdout=Path(os.devnull), stderr=log)  # fmt: skip
     else:
         with open(log, "ab") as err:

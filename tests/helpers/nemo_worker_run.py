@@ -23,7 +23,7 @@ def run_worker(tmp_path, name, *args, steps=4, devices=1, tp=1, export_dir=None,
         env["EXPORT_DIR"] = str(export_dir)
     env.update({k: str(v) for k, v in env_extra.items()})
     if FORK_SERVER:  # forked from a process that imported NeMo once (preloaded.py); Lightning starts other ranks
-        proc = PreloadedProcess(["nemo_preload"], worker, [str(out), *args], env, tmp_path, tmp_path / f"{name}.logs")
+        proc = PreloadedProcess(worker, [str(out), *args], env, tmp_path, tmp_path / f"{name}.logs")
         stdout, stderr = proc.communicate(timeout=900)
     else:
         done = subprocess.run([sys.executable, str(worker), str(out), *args], capture_output=True, text=True,

@@ -67,7 +67,7 @@ def _run_script(script: str, argv: list[str], env: dict[str, str], cwd: str, out
 def session_preload() -> list[str]:
     """What this environment's workers import: NeMo's stack in the nemo environment, Megatron-Bridge's in the Bridge
     one, else torch, Lightning, transformers and modelopt (the core environment's workers). The server is one per test
-    process and takes its preload on first use, so every caller in a session asks for the same."""
+    process and imports its preload once, when it starts, so the preload follows the environment, not the caller."""
     from importlib.util import find_spec
 
     if find_spec("nemo") is not None:
@@ -77,15 +77,14 @@ def session_preload() -> list[str]:
     return ["core_preload"]
 
 
-def preloaded_context(preload: list[str] | None = None) -> Any:
-    """multiprocessing's fork server context, the server preloaded with ``preload`` (None: :func:`session_preload`)
-    when this is its first use: ``ctx.Process(target=...)`` forks from it."""
+def preloaded_context() -> Any:
+    """multiprocessing's fork server context, the server preloaded with :func:`session_preload`'s modules:
+    ``ctx.Process(target=...)`` forks from it."""
     global _PRELOADED
     ctx = mp.get_context("forkserver")
     if not _PRELOADED:  # the server starts on first use, with what it was told to import by then
-        preload = session_preload() if preload is None else preload
-        ctx.set_forkserver_preload(preload)
-        _PRELOADED = list(preload)
+        _PRELOADED = session_preload()
+        ctx.set_forkserver_preload(_PRELOADED)
         # the server imports them before it takes this process's sys.path (Python 3.11 / 3.12): the helpers
         # folder goes on the PYTHONPATH it starts with, or a preload module there is skipped without a word
         here = str(Path(__file__).parent)
@@ -94,10 +93,10 @@ def preloaded_context(preload: list[str] | None = None) -> Any:
     return ctx
 
 
-def start_server(preload: list[str] | None = None) -> None:
+def start_server() -> None:
     """Start the fork server and wait until it has imported its preload (a first child that does nothing), so that
     a run timed after it is not charged the imports."""
-    child = preloaded_context(preload).Process(target=os.getpid)
+    child = preloaded_context().Process(target=os.getpid)
     child.start()
     child.join()
 
@@ -105,16 +104,15 @@ def start_server(preload: list[str] | None = None) -> None:
 class PreloadedProcess:
     """A worker script run in a child of the preloaded fork server; ``communicate`` as ``subprocess.Popen``'s."""
 
-    def __init__(self, preload: list[str] | None, script: str | Path, argv: list[str], env: dict[str, str],
-                 cwd: str | Path, logs: Path | None, new_session: bool = False, stdout: Path | None = None,
+    def __init__(self, script: str | Path, argv: list[str], env: dict[str, str], cwd: str | Path, logs: Path | None,
+                 new_session: bool = False, stdout: Path | None = None,
                  stderr: Path | None = None) -> None:  # fmt: skip
         """Args:
-        preload: the modules the server imports when this is its first use (None: :func:`session_preload`).
         new_session: the child leads a process group of its own (``os.killpg(proc.pid, ...)`` stops it whole).
         logs: the folder of the child's ``stdout`` and ``stderr`` files (None: both given as files).
         stdout, stderr: files the child appends to instead.
         """
-        ctx = preloaded_context(preload)
+        ctx = preloaded_context()
         if stdout is None or stderr is None:
             assert logs is not None, "logs: the folder of the output files not given"
             logs.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ def test_two_rank_ddp_ends_with_identical_amax_and_stage(tmp_path):
         # other suites run beside this one), so EADDRINUSE is retried with a new port, nothing else is
         env = worker_env(PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         if FORK_SERVER:  # rank 0 forked from the preloaded server; Lightning starts rank 1 as a fresh interpreter
-            proc = PreloadedProcess(None, worker, [str(tmp_path)], env, Path.cwd(), tmp_path / f"logs{_attempt}")
+            proc = PreloadedProcess(worker, [str(tmp_path)], env, Path.cwd(), tmp_path / f"logs{_attempt}")
             _, stderr = proc.communicate(timeout=600)
         else:
             done = subprocess.run([sys.executable, str(worker), str(tmp_path)], env=env, capture_output=True,
