@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = [
     ROOT / "README.md",
     ROOT / "docs" / "architecture.md",
+    ROOT / "docs" / "configuration.md",
     ROOT / "examples" / "README.md",
     ROOT / "examples" / "Dockerfile",
     ROOT / "benchmarks" / "RESULTS.md",
