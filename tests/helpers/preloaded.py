@@ -67,13 +67,17 @@ def _run_script(script: str, argv: list[str], env: dict[str, str], cwd: str, out
 def session_preload() -> list[str]:
     """What this environment's workers import: NeMo's stack in the nemo environment, Megatron-Bridge's in the Bridge
     one, else torch, Lightning, transformers and modelopt (the core environment's workers). The server is one per test
-    process and imports its preload once, when it starts, so the preload follows the environment, not the caller."""
-    from importlib.util import find_spec
+    process and imports its preload once, when it starts, so the preload follows the environment, not the caller.
+    Installed distributions decide, not import specs: ``tests/`` is on a test session's path, where ``tests/nemo``
+    is a namespace package named ``nemo``."""
+    from importlib.metadata import PackageNotFoundError, distribution
 
-    if find_spec("nemo") is not None:
-        return ["nemo_preload"]
-    if find_spec("megatron") is not None and find_spec("megatron.bridge") is not None:
-        return ["bridge_preload"]
+    for dist, preload in (("nemo_toolkit", "nemo_preload"), ("megatron-bridge", "bridge_preload")):
+        try:
+            distribution(dist)
+            return [preload]
+        except PackageNotFoundError:
+            pass
     return ["core_preload"]
 
 
